@@ -1,0 +1,577 @@
+"""`LossScaleOptimizer`: loss scaling for `model.fit` and for custom loops.
+
+It wraps any Keras optimizer and owns three variables: the current scale, the
+count of finite steps since the scale last changed, and the count of skipped
+steps. Every step it
+
+* sums the gradients across replicas (under a `tf.distribute` strategy), once;
+* divides them by the scale if they came from `scale_loss` (the `fit` path);
+* checks them for inf/NaN, after aggregation, so every replica decides alike;
+* applies them with the inner optimizer only if all are finite; a skipped step
+  leaves variables, the inner optimizer's slots and `iterations` untouched;
+* assigns the scale and counter that `kmp.loss_scale.next_dynamic_scale`
+  returns (a fixed scale is left as it is).
+
+Importing kmp also makes `model.compile` wrap its optimizer in this class, not in
+Keras's own, when it adds loss scaling by itself (a `mixed_float16` model with
+`auto_scale_loss=True`), so such a model saves and restores its scale.
+"""
+
+import contextlib
+import functools
+import math
+import numbers
+import threading
+from typing import Callable
+from typing import Iterable
+from typing import List
+from typing import Optional
+from typing import Union
+
+from keras.src.saving import serialization_lib
+from keras.src.trainers import trainer as _keras_trainer
+
+from kmp import loss_scale as _rule
+from kmp._backend import keras
+from kmp._backend import tf
+
+_KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
+_KerasOptimizer = keras.optimizers.Optimizer
+_FLOAT16_TYPES = (tf.float16, tf.bfloat16)
+
+# Set by `scale_loss` (the hook Keras's `fit` calls) and taken by the next
+# `apply_gradients` in the same thread: it then receives *scaled* gradients.
+# `get_scaled_loss` / `get_unscaled_gradients` clear it. Thread-local because
+# MirroredStrategy runs each replica's step in its own thread.
+_scaled_gradients_pending = threading.local()
+
+
+def _unsupported_strategy_types():
+    names = (
+        ("TPUStrategy", tf.distribute),
+        ("TPUStrategy", tf.distribute.experimental),
+        ("ParameterServerStrategy", tf.distribute.experimental),
+        ("CentralStorageStrategy", tf.distribute.experimental),
+    )
+    return tuple(
+        getattr(module, name) for name, module in names if hasattr(module, name)
+    )
+
+
+def _check_arguments(inner_optimizer, dynamic, initial_scale, growth_steps):
+    """Validates the constructor's arguments; changes nothing."""
+    if isinstance(inner_optimizer, _KerasLossScaleOptimizer):
+        raise TypeError(
+            "'inner_optimizer' must not be a LossScaleOptimizer: loss scaling "
+            "would be applied twice. Wrap the plain optimizer instead, e.g. "
+            "kmp.LossScaleOptimizer(keras.optimizers.Adam()). Received: "
+            f"inner_optimizer={inner_optimizer!r}"
+        )
+    if not isinstance(inner_optimizer, _KerasOptimizer):
+        raise TypeError(
+            "'inner_optimizer' must be a Keras optimizer instance, such as "
+            "keras.optimizers.SGD(0.01). Received: "
+            f"inner_optimizer={inner_optimizer!r} of type "
+            f"{type(inner_optimizer).__name__}"
+        )
+    if getattr(inner_optimizer, "loss_scale_factor", None) is not None:
+        raise ValueError(
+            "'inner_optimizer' has its own loss_scale_factor="
+            f"{inner_optimizer.loss_scale_factor!r}; the loss would be scaled "
+            "twice. Leave it unset and pass the scale here instead: "
+            "kmp.LossScaleOptimizer(inner, dynamic=False, initial_scale=...)."
+        )
+    if not isinstance(dynamic, bool):
+        raise TypeError(
+            f"'dynamic' must be True or False. Received: dynamic={dynamic!r}"
+        )
+    if initial_scale is None:
+        if not dynamic:
+            raise ValueError(
+                "'initial_scale' is required when dynamic=False: it is the "
+                "fixed loss scale, e.g. initial_scale=128. Received: "
+                "initial_scale=None"
+            )
+        initial_scale = _rule.DEFAULT_INITIAL_SCALE
+    elif isinstance(initial_scale, bool) or not isinstance(
+        initial_scale, numbers.Real
+    ):
+        raise TypeError(
+            "'initial_scale' must be a number (a finite float >= 1). "
+            f"Received: initial_scale={initial_scale!r} of type "
+            f"{type(initial_scale).__name__}"
+        )
+    elif not (
+        math.isfinite(initial_scale)
+        and _rule.MIN_SCALE <= initial_scale <= _rule.MAX_SCALE
+    ):
+        raise ValueError(
+            "'initial_scale' must be a finite number >= 1 (and at most the "
+            f"largest float32, {_rule.MAX_SCALE:.4g}). Received: "
+            f"initial_scale={initial_scale!r}"
+        )
+    if growth_steps is None:
+        growth_steps = _rule.DEFAULT_GROWTH_STEPS if dynamic else None
+    elif not dynamic:
+        raise ValueError(
+            "'dynamic_growth_steps' applies only to a dynamic loss scale; "
+            "leave it None with dynamic=False. Received: "
+            f"dynamic_growth_steps={growth_steps!r}"
+        )
+    elif isinstance(growth_steps, bool) or not isinstance(
+        growth_steps, numbers.Integral
+    ):
+        raise TypeError(
+            "'dynamic_growth_steps' must be a positive integer. Received: "
+            f"dynamic_growth_steps={growth_steps!r} of type "
+            f"{type(growth_steps).__name__}"
+        )
+    elif growth_steps < 1:
+        raise ValueError(
+            "'dynamic_growth_steps' must be a positive integer. Received: "
+            f"dynamic_growth_steps={growth_steps!r}"
+        )
+    strategy = tf.distribute.get_strategy()
+    if isinstance(strategy, _unsupported_strategy_types()):
+        raise ValueError(
+            "kmp.LossScaleOptimizer supports the default strategy, "
+            "MirroredStrategy, MultiWorkerMirroredStrategy and "
+            f"OneDeviceStrategy. Received: {type(strategy).__name__}, under "
+            "which skipped steps could not be made consistent. On TPUs use "
+            "the 'mixed_bfloat16' policy, which needs no loss scaling."
+        )
+    grow = None if growth_steps is None else int(growth_steps)
+    return float(initial_scale), grow
+
+
+def _floating_tensor(value, argument: str) -> tf.Tensor:
+    try:
+        tensor = tf.convert_to_tensor(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"'{argument}' must be a floating tensor or number. Received: "
+            f"{argument}={value!r} of type {type(value).__name__}"
+        ) from None
+    if not tensor.dtype.is_floating:
+        raise TypeError(
+            f"'{argument}' must be floating point. Received: {argument} of "
+            f"dtype {tensor.dtype.name}"
+        )
+    return tensor
+
+
+def _scale_tensor(tensor: tf.Tensor, scale: tf.Tensor, divide: bool):
+    """`tensor * scale` or `tensor / scale`, in float32 or wider.
+
+    float16 math would be wrong here: 1 / 2**25 is 0 in float16, and a float16
+    loss times 2**16 is inf. The result keeps `tensor`'s dtype.
+    """
+    if tensor.dtype in _FLOAT16_TYPES:
+        wide = tf.cast(tensor, tf.float32)
+        wide = wide / scale if divide else wide * scale
+        return tf.cast(wide, tensor.dtype)
+    scale = tf.cast(scale, tensor.dtype)
+    return tensor / scale if divide else tensor * scale
+
+
+def _unscale_gradient(gradient, scale: tf.Tensor):
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            _scale_tensor(gradient.values, scale, divide=True),
+            gradient.indices,
+            gradient.dense_shape,
+        )
+    return _scale_tensor(gradient, scale, divide=True)
+
+
+def _all_finite(gradients) -> tf.Tensor:
+    """True when every gradient is free of inf and NaN.
+
+    Sparse gradients are checked on their values, without densifying them.
+    """
+    values = [
+        g.values if isinstance(g, tf.IndexedSlices) else g
+        for g in gradients
+        if g is not None
+    ]
+    if not values:
+        return tf.constant(True)
+    return tf.reduce_all(
+        tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values])
+    )
+
+
+@contextlib.contextmanager
+def _without_gradient_aggregation(optimizer):
+    """Keeps a Keras TF optimizer from all-reducing gradients a second time.
+
+    The loss-scale optimizer sums the gradients across replicas itself, before
+    deciding whether the step is finite; the inner optimizer must then apply
+    them as they are.
+    """
+    optimizer._all_reduce_sum_gradients = list
+    try:
+        yield
+    finally:
+        del optimizer._all_reduce_sum_gradients
+
+
+@keras.saving.register_keras_serializable(package="kmp")
+class LossScaleOptimizer(_KerasLossScaleOptimizer):
+    """Wraps a Keras optimizer and scales the loss so float16 gradients survive.
+
+    Under `mixed_float16`, small gradients underflow to zero in float16.
+    Multiplying the loss by a scale multiplies every gradient by it too; dividing
+    the gradients by it before they are applied gives back the true update.
+
+    * Dynamic (default): start at `initial_scale` (2**15); after
+      `dynamic_growth_steps` (2000) finite steps in a row, double; on a step
+      with any inf/NaN gradient, skip it and halve (never below 1).
+    * Fixed (`dynamic=False`): the scale is `initial_scale` forever; a step with
+      an inf/NaN gradient is still skipped.
+
+    In `model.fit` all of it happens by itself. In a custom loop:
+
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x))
+            scaled_loss = optimizer.get_scaled_loss(loss)
+        scaled_grads = tape.gradient(scaled_loss, model.trainable_variables)
+        grads = optimizer.get_unscaled_gradients(scaled_grads)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    Keras 3's own protocol also works: gradients of `scale_loss(loss)` passed
+    straight to `apply_gradients` are unscaled there (that is what `fit` does).
+
+    Args:
+        inner_optimizer: The Keras optimizer to wrap (not a loss-scale one).
+        dynamic: Whether the scale adapts (True) or stays fixed (False).
+        initial_scale: The first scale; a finite number >= 1. Defaults to 2**15
+            when dynamic; required when fixed.
+        dynamic_growth_steps: Finite steps in a row before the scale doubles;
+            a positive integer, 2000 by default; must be None when fixed.
+        name: The optimizer's name.
+
+    Raises:
+        TypeError: `inner_optimizer` is not a Keras optimizer, or is already a
+            loss-scale optimizer; an argument has the wrong type.
+        ValueError: an argument has a wrong value, or the optimizer is created
+            under an unsupported distribution strategy (TPU, parameter servers).
+
+    Example:
+
+    >>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8)
+    >>> float(opt.loss_scale), int(opt.dynamic_counter)
+    (8.0, 0)
+    >>> float(opt.get_scaled_loss(tf.constant(0.5)))
+    4.0
+    >>> [float(g) for g in opt.get_unscaled_gradients([tf.constant(4.0)])]
+    [0.5]
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: _KerasOptimizer,
+        dynamic: bool = True,
+        initial_scale: Optional[float] = None,
+        dynamic_growth_steps: Optional[int] = None,
+        name: Optional[str] = None,
+    ):
+        initial_scale, dynamic_growth_steps = _check_arguments(
+            inner_optimizer, dynamic, initial_scale, dynamic_growth_steps
+        )
+        # Keras's LossScaleOptimizer is the base class only so that Keras
+        # recognises this one (model.compile does not wrap it again); its
+        # constructor mutates the inner optimizer, so it is skipped.
+        _KerasOptimizer.__init__(self, learning_rate=0.0, name=name)
+        self._inner_optimizer = inner_optimizer
+        self._dynamic = dynamic
+        self._initial_scale = initial_scale
+        self._dynamic_growth_steps = dynamic_growth_steps
+        # Created now, not in build(), so that a loss scaled before the first
+        # step already reads the variable rather than a constant.
+        with keras.name_scope(self.name, caller=self):
+            self._scale = self._own_variable(
+                "dynamic_scale", initial_scale, "float32"
+            )
+            self._counter = self._own_variable("step_counter", 0, "int64")
+            self._skipped = self._own_variable("skipped_steps", 0, "int64")
+
+    def _own_variable(self, name, value, dtype):
+        variable = keras.Variable(
+            value,
+            dtype=dtype,
+            trainable=False,
+            # Every replica computes the same value; take the first one's.
+            aggregation="only_first_replica",
+            name=name,
+        )
+        self._track_variable(variable)
+        return variable
+
+    # --- Properties -------------------------------------------------------
+
+    @property
+    def inner_optimizer(self) -> _KerasOptimizer:
+        """The wrapped optimizer, which computes every update."""
+        return self._inner_optimizer
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether the loss scale adapts (True) or is fixed (False)."""
+        return self._dynamic
+
+    @property
+    def initial_scale(self) -> float:
+        """The loss scale training started with, a Python float."""
+        return self._initial_scale
+
+    @property
+    def dynamic_growth_steps(self) -> Optional[int]:
+        """Finite steps in a row before the scale doubles; None when fixed."""
+        return self._dynamic_growth_steps
+
+    @property
+    def loss_scale(self) -> tf.Tensor:
+        """The current loss scale, a float32 scalar tensor."""
+        return tf.convert_to_tensor(self._scale)
+
+    @property
+    def dynamic_counter(self) -> Optional[tf.Tensor]:
+        """Finite steps since the scale last changed (int64); None when fixed."""
+        if not self._dynamic:
+            return None
+        return tf.convert_to_tensor(self._counter)
+
+    @property
+    def skipped_steps(self) -> tf.Tensor:
+        """How many steps were skipped for non-finite gradients (int64)."""
+        return tf.convert_to_tensor(self._skipped)
+
+    @property
+    def variables(self):
+        return self._variables + self._inner_optimizer.variables
+
+    # --- Scaling ------------------------------------------------------------
+
+    def get_scaled_loss(
+        self, loss: Union[tf.Tensor, float, Callable[[], tf.Tensor]]
+    ):
+        """Returns `loss` times the current scale, in `loss`'s dtype.
+
+        Args:
+            loss: A floating scalar tensor, or a callable returning one (then a
+                callable is returned).
+
+        Returns:
+            The scaled loss (or a callable that computes it).
+
+        Raises:
+            TypeError: `loss` is not floating point.
+        """
+        _scaled_gradients_pending.value = False
+        if callable(loss):
+            return lambda: self.get_scaled_loss(loss())
+        loss = _floating_tensor(loss, "loss")
+        return _scale_tensor(loss, self.loss_scale, divide=False)
+
+    def get_unscaled_gradients(self, grads: Iterable) -> List:
+        """Divides each gradient by the current scale, keeping its dtype.
+
+        The division happens in float32 (or float64), never in float16.
+
+        Args:
+            grads: Gradients of a scaled loss: tensors, `tf.IndexedSlices`
+                (unscaled on their values, kept sparse) or `None` (kept).
+
+        Returns:
+            A list of the unscaled gradients, in order.
+
+        Raises:
+            TypeError: `grads` is not an iterable of gradients.
+        """
+        _scaled_gradients_pending.value = False
+        if isinstance(grads, (tf.Tensor, tf.IndexedSlices)) or not isinstance(
+            grads, Iterable
+        ):
+            raise TypeError(
+                "'grads' must be a list of gradients (tensors, IndexedSlices or "
+                f"None), such as tape.gradient(...)'s result. Received: "
+                f"grads={grads!r}"
+            )
+        grads = list(grads)
+        for index, gradient in enumerate(grads):
+            if gradient is not None and not isinstance(
+                gradient, tf.IndexedSlices
+            ):
+                grads[index] = _floating_tensor(gradient, f"grads[{index}]")
+        scale = self.loss_scale
+        return [_unscale_gradient(g, scale) for g in grads]
+
+    def scale_loss(self, loss):
+        """Keras 3's hook (called by `fit`): scales `loss` like `get_scaled_loss`.
+
+        The gradients of its result may be passed, still scaled, to the next
+        `apply_gradients` in this thread, which then unscales them itself.
+        """
+        scaled = self.get_scaled_loss(loss)
+        _scaled_gradients_pending.value = True
+        return scaled
+
+    # --- Applying -----------------------------------------------------------
+
+    def build(self, var_list):
+        self._inner_optimizer.build(var_list)
+        _KerasOptimizer.build(self, var_list)
+
+    def apply(self, grads, trainable_variables=None):
+        """Applies one step; see the class docstring. Not for stateless use."""
+        grads_are_scaled = getattr(_scaled_gradients_pending, "value", False)
+        _scaled_gradients_pending.value = False
+        grads = list(grads)
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "apply() without 'trainable_variables' needs a built "
+                    "optimizer: call optimizer.build(model.trainable_variables) "
+                    "first, or pass the variables."
+                )
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if len(grads) != len(trainable_variables):
+            raise ValueError(
+                "There must be one gradient per variable. Received "
+                f"{len(grads)} gradients for {len(trainable_variables)} "
+                "variables."
+            )
+        if not grads:
+            return
+        if tf.distribute.has_strategy() and (
+            tf.distribute.in_cross_replica_context()
+        ):
+            raise ValueError(
+                "apply_gradients() must be called in a replica context, inside "
+                "strategy.run(...), not directly under strategy.scope()."
+            )
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        with keras.name_scope(self.name, caller=self):
+            self._apply_step(grads, trainable_variables, grads_are_scaled)
+
+    def _apply_step(self, grads, variables, grads_are_scaled):
+        distributed = tf.distribute.has_strategy()
+        replica_context = tf.distribute.get_replica_context()
+        if distributed:
+            grads = self._sum_over_replicas(grads, replica_context)
+        if grads_are_scaled:
+            scale = self.loss_scale
+            grads = [
+                g
+                if self._overwrite_variable_with_gradient(v)
+                else _unscale_gradient(g, scale)
+                for g, v in zip(grads, variables)
+            ]
+        # The gradients are the same on every replica now, and so is this.
+        finite = _all_finite(grads)
+        if distributed and not (
+            tf.__internal__.distribute.strategy_supports_no_merge_call()
+        ):
+            # A cond whose branch calls merge_call (as the inner optimizer's
+            # apply does) must run in cross-replica context.
+            replica_context.merge_call(
+                self._cross_replica_step, args=(grads, variables, finite)
+            )
+        else:
+            tf.cond(
+                finite,
+                lambda: self._inner_apply(grads, variables, distributed),
+                lambda: None,
+            )
+            self._update_loss_scale(finite)
+
+    def _cross_replica_step(self, distribution, grads, variables, finite):
+        finite = tf.reduce_all(
+            tf.stack(distribution.experimental_local_results(finite))
+        )
+
+        def apply_on_every_replica():
+            distribution.extended.call_for_each_replica(
+                self._inner_apply, args=(grads, variables, True)
+            )
+
+        tf.cond(finite, apply_on_every_replica, lambda: None)
+        self._update_loss_scale(finite)
+
+    def _inner_apply(self, grads, variables, already_summed):
+        inner = self._inner_optimizer
+        if already_summed:
+            with _without_gradient_aggregation(inner):
+                inner.apply(grads, variables)
+        else:
+            inner.apply(grads, variables)
+
+    @staticmethod
+    def _sum_over_replicas(grads, replica_context):
+        present = [g for g in grads if g is not None]
+        if not present:
+            return grads
+        summed = iter(
+            replica_context.all_reduce(tf.distribute.ReduceOp.SUM, present)
+        )
+        return [None if g is None else next(summed) for g in grads]
+
+    def _update_loss_scale(self, finite):
+        self._skipped.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
+        if not self._dynamic:
+            return
+        scale, counter = _rule.next_dynamic_scale(
+            self._scale, self._counter, finite, self._dynamic_growth_steps
+        )
+        self._scale.assign(scale)
+        self._counter.assign(counter)
+
+    # --- Serialization ------------------------------------------------------
+
+    def get_config(self) -> dict:
+        return {
+            "name": self.name,
+            "inner_optimizer": serialization_lib.serialize_keras_object(
+                self._inner_optimizer
+            ),
+            "dynamic": self._dynamic,
+            "initial_scale": self._initial_scale,
+            "dynamic_growth_steps": self._dynamic_growth_steps,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects=None):
+        config = dict(config)
+        inner = serialization_lib.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        return cls(inner, **config)
+
+
+# --- model.compile's automatic loss scaling -----------------------------------
+
+_keras_compile = _keras_trainer.Trainer.compile
+
+
+@functools.wraps(_keras_compile)
+def _compile_with_kmp_loss_scaling(self, optimizer="rmsprop", *args, **kwargs):
+    _keras_compile(self, optimizer, *args, **kwargs)
+    chosen = getattr(self, "optimizer", None)
+    if type(chosen) is _KerasLossScaleOptimizer and chosen is not optimizer:
+        # Keras wrapped the user's optimizer by itself; wrap it in kmp's instead
+        # and record that in the compile config, so a saved model restores it
+        # (scale and counter included) whatever the policy at load time.
+        self.optimizer = LossScaleOptimizer(
+            chosen.inner_optimizer, name=chosen.name
+        )
+        self._compile_config.config["optimizer"] = self.optimizer
+
+
+_keras_trainer.Trainer.compile = _compile_with_kmp_loss_scaling
