@@ -1,7 +1,7 @@
 """The `tf.keras.mixed_precision` names, as a drop-in: the same objects as `kmp`.
 
-    from kmp import mixed_precision
-    mixed_precision.set_global_policy("mixed_float16")
+from kmp import mixed_precision
+mixed_precision.set_global_policy("mixed_float16")
 """
 
 from kmp.optimizer import LossScaleOptimizer

@@ -22,6 +22,7 @@ import functools
 import math
 import numbers
 import threading
+import warnings
 from typing import Callable
 from typing import Iterable
 from typing import List
@@ -30,6 +31,7 @@ from typing import Union
 
 from keras.src.saving import serialization_lib
 from keras.src.trainers import trainer as _keras_trainer
+from tensorflow.python.ops import control_flow_util
 
 from kmp import loss_scale as _rule
 from kmp._backend import keras
@@ -144,6 +146,33 @@ def _check_arguments(inner_optimizer, dynamic, initial_scale, growth_steps):
     return float(initial_scale), grow
 
 
+def _check_skip_options(max_skips, on_persistent_skips, record_nonfinite):
+    if max_skips is not None and (
+        isinstance(max_skips, bool)
+        or not isinstance(max_skips, numbers.Integral)
+    ):
+        raise TypeError(
+            "'max_consecutive_skips' must be a positive integer or None. "
+            f"Received: max_consecutive_skips={max_skips!r} of type "
+            f"{type(max_skips).__name__}"
+        )
+    if max_skips is not None and max_skips < 1:
+        raise ValueError(
+            "'max_consecutive_skips' must be a positive integer or None. "
+            f"Received: max_consecutive_skips={max_skips!r}"
+        )
+    if on_persistent_skips not in ("warn", "raise"):
+        raise ValueError(
+            "'on_persistent_skips' must be 'warn' or 'raise'. Received: "
+            f"on_persistent_skips={on_persistent_skips!r}"
+        )
+    if not isinstance(record_nonfinite, bool):
+        raise TypeError(
+            "'record_nonfinite' must be True or False. Received: "
+            f"record_nonfinite={record_nonfinite!r}"
+        )
+
+
 def _floating_tensor(value, argument: str) -> tf.Tensor:
     try:
         tensor = tf.convert_to_tensor(value)
@@ -186,21 +215,28 @@ def _unscale_gradient(gradient, scale: tf.Tensor):
     return _scale_tensor(gradient, scale, divide=True)
 
 
-def _all_finite(gradients) -> tf.Tensor:
-    """True when every gradient is free of inf and NaN.
+def _finite_per_gradient(gradients) -> tf.Tensor:
+    """A bool vector: whether each gradient is free of inf and NaN.
 
-    Sparse gradients are checked on their values, without densifying them.
+    `None` gradients count as finite. Sparse gradients are checked on their
+    values, without densifying them.
     """
-    values = [
-        g.values if isinstance(g, tf.IndexedSlices) else g
+    flags = [
+        tf.constant(True)
+        if g is None
+        else tf.reduce_all(
+            tf.math.is_finite(
+                g.values if isinstance(g, tf.IndexedSlices) else g
+            )
+        )
         for g in gradients
-        if g is not None
     ]
-    if not values:
-        return tf.constant(True)
-    return tf.reduce_all(
-        tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values])
-    )
+    return tf.stack(flags) if flags else tf.ones([0], tf.bool)
+
+
+def _in_xla_context() -> bool:
+    graph = tf.compat.v1.get_default_graph()
+    return control_flow_util.GraphOrParentsInXlaContext(graph)
 
 
 @contextlib.contextmanager
@@ -252,6 +288,14 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         dynamic_growth_steps: Finite steps in a row before the scale doubles;
             a positive integer, 2000 by default; must be None when fixed.
         name: The optimizer's name.
+        max_consecutive_skips: After this many skipped steps in a row (1000 by
+            default; None turns the check off) something is persistently
+            wrong: the optimizer warns once, naming the likely causes.
+        on_persistent_skips: `"warn"` (default) or `"raise"`, which stops
+            training with a `FloatingPointError` instead.
+        record_nonfinite: Whether to record which variables had non-finite
+            gradients on the last skipped step (`nonfinite_variables`). Off by
+            default, when it costs nothing.
 
     Raises:
         TypeError: `inner_optimizer` is not a Keras optimizer, or is already a
@@ -277,9 +321,16 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         initial_scale: Optional[float] = None,
         dynamic_growth_steps: Optional[int] = None,
         name: Optional[str] = None,
+        *,
+        max_consecutive_skips: Optional[int] = 1000,
+        on_persistent_skips: str = "warn",
+        record_nonfinite: bool = False,
     ):
         initial_scale, dynamic_growth_steps = _check_arguments(
             inner_optimizer, dynamic, initial_scale, dynamic_growth_steps
+        )
+        _check_skip_options(
+            max_consecutive_skips, on_persistent_skips, record_nonfinite
         )
         # Keras's LossScaleOptimizer is the base class only so that Keras
         # recognises this one (model.compile does not wrap it again); its
@@ -289,6 +340,11 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         self._dynamic = dynamic
         self._initial_scale = initial_scale
         self._dynamic_growth_steps = dynamic_growth_steps
+        self._max_consecutive_skips = max_consecutive_skips
+        self._on_persistent_skips = on_persistent_skips
+        self._record_nonfinite = record_nonfinite
+        self._warned_persistent_skips = False
+        self._nonfinite_mask = None
         # Created now, not in build(), so that a loss scaled before the first
         # step already reads the variable rather than a constant.
         with keras.name_scope(self.name, caller=self):
@@ -297,6 +353,9 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             )
             self._counter = self._own_variable("step_counter", 0, "int64")
             self._skipped = self._own_variable("skipped_steps", 0, "int64")
+            self._skipped_in_a_row = self._own_variable(
+                "consecutive_skips", 0, "int64"
+            )
 
     def _own_variable(self, name, value, dtype):
         variable = keras.Variable(
@@ -348,6 +407,34 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
     def skipped_steps(self) -> tf.Tensor:
         """How many steps were skipped for non-finite gradients (int64)."""
         return tf.convert_to_tensor(self._skipped)
+
+    @property
+    def consecutive_skips(self) -> tf.Tensor:
+        """How many of the latest steps were skipped in a row (int64)."""
+        return tf.convert_to_tensor(self._skipped_in_a_row)
+
+    @property
+    def nonfinite_variables(self) -> List[str]:
+        """Paths of the variables whose gradients were inf/NaN on the last
+        skipped step (empty before any skip).
+
+        Raises:
+            ValueError: the optimizer was created without
+                `record_nonfinite=True`.
+        """
+        if not self._record_nonfinite:
+            raise ValueError(
+                "nonfinite_variables is recorded only when the optimizer is "
+                "created with record_nonfinite=True."
+            )
+        if self._nonfinite_mask is None:
+            return []
+        mask = self._nonfinite_mask.numpy()
+        return [
+            variable.path
+            for variable, bad in zip(self._trainable_variables, mask)
+            if bad
+        ]
 
     @property
     def variables(self):
@@ -424,6 +511,15 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
     def build(self, var_list):
         self._inner_optimizer.build(var_list)
         _KerasOptimizer.build(self, var_list)
+        if self._record_nonfinite:
+            with keras.name_scope(self.name, caller=self):
+                self._nonfinite_mask = keras.Variable(
+                    [False] * len(var_list),
+                    dtype="bool",
+                    trainable=False,
+                    aggregation="only_first_replica",
+                    name="nonfinite_mask",
+                )
 
     def apply(self, grads, trainable_variables=None):
         """Applies one step; see the class docstring. Not for stateless use."""
@@ -475,27 +571,33 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                 for g, v in zip(grads, variables)
             ]
         # The gradients are the same on every replica now, and so is this.
-        finite = _all_finite(grads)
+        finite_per_gradient = _finite_per_gradient(grads)
         if distributed and not (
             tf.__internal__.distribute.strategy_supports_no_merge_call()
         ):
             # A cond whose branch calls merge_call (as the inner optimizer's
             # apply does) must run in cross-replica context.
             replica_context.merge_call(
-                self._cross_replica_step, args=(grads, variables, finite)
+                self._cross_replica_step,
+                args=(grads, variables, finite_per_gradient),
             )
-        else:
-            tf.cond(
-                finite,
-                lambda: self._inner_apply(grads, variables, distributed),
-                lambda: None,
-            )
-            self._update_loss_scale(finite)
-
-    def _cross_replica_step(self, distribution, grads, variables, finite):
-        finite = tf.reduce_all(
-            tf.stack(distribution.experimental_local_results(finite))
+            return
+        finite = tf.reduce_all(finite_per_gradient)
+        tf.cond(
+            finite,
+            lambda: self._inner_apply(grads, variables, distributed),
+            lambda: None,
         )
+        self._after_step(finite, finite_per_gradient)
+
+    def _cross_replica_step(
+        self, distribution, grads, variables, finite_per_gradient
+    ):
+        local_flags = distribution.experimental_local_results(
+            finite_per_gradient
+        )
+        finite_per_gradient = tf.reduce_all(tf.stack(local_flags), axis=0)
+        finite = tf.reduce_all(finite_per_gradient)
 
         def apply_on_every_replica():
             distribution.extended.call_for_each_replica(
@@ -503,7 +605,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             )
 
         tf.cond(finite, apply_on_every_replica, lambda: None)
-        self._update_loss_scale(finite)
+        self._after_step(finite, finite_per_gradient)
 
     def _inner_apply(self, grads, variables, already_summed):
         inner = self._inner_optimizer
@@ -523,15 +625,65 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         )
         return [None if g is None else next(summed) for g in grads]
 
-    def _update_loss_scale(self, finite):
-        self._skipped.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
-        if not self._dynamic:
+    def _after_step(self, finite, finite_per_gradient):
+        """Updates the scale, the skip counters and the records of a step."""
+        skipped = tf.cast(tf.logical_not(finite), tf.int64)
+        self._skipped.assign_add(skipped)
+        in_a_row = (self._skipped_in_a_row + skipped) * skipped
+        self._skipped_in_a_row.assign(in_a_row)
+        if self._record_nonfinite and self._nonfinite_mask is not None:
+            self._nonfinite_mask.assign(
+                tf.where(
+                    finite,
+                    self._nonfinite_mask,
+                    tf.logical_not(finite_per_gradient),
+                )
+            )
+        if self._dynamic:
+            scale, counter = _rule.next_dynamic_scale(
+                self._scale, self._counter, finite, self._dynamic_growth_steps
+            )
+            self._scale.assign(scale)
+            self._counter.assign(counter)
+        self._check_persistent_skips(in_a_row)
+
+    def _check_persistent_skips(self, in_a_row):
+        limit = self._max_consecutive_skips
+        if limit is None:
             return
-        scale, counter = _rule.next_dynamic_scale(
-            self._scale, self._counter, finite, self._dynamic_growth_steps
+        reached = tf.equal(in_a_row, limit)
+        if tf.executing_eagerly():
+            if bool(reached):
+                self._report_persistent_skips(in_a_row)
+        elif not _in_xla_context():
+            # py_function cannot run under XLA; there, LossScaleMonitor reports
+            # consecutive_skips from fit's logs instead.
+
+            def report():
+                tf.py_function(self._report_persistent_skips, [in_a_row], [])
+
+            tf.cond(reached, report, lambda: None)
+
+    def _report_persistent_skips(self, in_a_row):
+        message = (
+            f"kmp.LossScaleOptimizer skipped the last {int(in_a_row)} steps in "
+            "a row: every one had inf or NaN gradients, and the loss scale is "
+            f"now {float(self._scale.numpy()):g}. Likely causes: a layer "
+            "overflows in its forward pass (float16 activations above 65504) "
+            "- find it with kmp.audit(model, x, y) and keep it in float32 "
+            "with dtype='float32'; the loss or the final softmax is computed "
+            "in float16 - give the last layer dtype='float32'; or the model "
+            "produces inf/NaN in float32 too (data, learning rate)."
         )
-        self._scale.assign(scale)
-        self._counter.assign(counter)
+        if self._on_persistent_skips == "raise":
+            raise FloatingPointError(message)
+        if not self._warned_persistent_skips:
+            self._warned_persistent_skips = True
+            warnings.warn(
+                message + " Pass on_persistent_skips='raise' to stop instead.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     # --- Serialization ------------------------------------------------------
 
@@ -544,6 +696,9 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             "dynamic": self._dynamic,
             "initial_scale": self._initial_scale,
             "dynamic_growth_steps": self._dynamic_growth_steps,
+            "max_consecutive_skips": self._max_consecutive_skips,
+            "on_persistent_skips": self._on_persistent_skips,
+            "record_nonfinite": self._record_nonfinite,
         }
 
     @classmethod

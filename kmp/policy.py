@@ -83,9 +83,7 @@ class Policy(keras.DTypePolicy):
     def __eq__(self, other):
         # A plain Keras float policy of the same name is the same policy.
         if isinstance(other, keras.DTypePolicy):
-            return (
-                other.quantization_mode is None and other.name == self.name
-            )
+            return other.quantization_mode is None and other.name == self.name
         return NotImplemented
 
     def __hash__(self):
@@ -110,9 +108,11 @@ def _to_policy(policy: PolicyLike, argument: str) -> Policy:
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, keras.DTypePolicy):
-        if policy.quantization_mode is not None or not isinstance(
-            policy.name, str
-        ) or policy.name not in POLICY_NAMES:
+        if (
+            policy.quantization_mode is not None
+            or not isinstance(policy.name, str)
+            or policy.name not in POLICY_NAMES
+        ):
             raise ValueError(
                 f"'{argument}' must be a floating policy, one of "
                 f"{_VALID_NAMES_TEXT}. Received: {argument}={policy!r}"
@@ -195,8 +195,8 @@ def set_global_policy(policy: PolicyLike) -> None:
     >>> global_policy().name
     'float32'
     """
-    policy = Policy("float32") if policy is None else _to_policy(
-        policy, "policy"
+    policy = (
+        Policy("float32") if policy is None else _to_policy(policy, "policy")
     )
     # Keras gets a plain DTypePolicy, so layers that merely follow the global
     # policy save to `.keras` files that load without kmp.
@@ -252,8 +252,8 @@ def policy_scope(policy: PolicyLike) -> Iterator[Policy]:
     >>> layer.dtype_policy.name, global_policy().name
     ('mixed_float16', 'float32')
     """
-    new_policy = Policy("float32") if policy is None else _to_policy(
-        policy, "policy"
+    new_policy = (
+        Policy("float32") if policy is None else _to_policy(policy, "policy")
     )
     global _process_policy
     previous = (

@@ -1,0 +1,316 @@
+"""Fault injection for testing training loops under loss scaling.
+
+Two small tools that make a training step go non-finite on purpose, so a test
+can check that the step is skipped and that training recovers:
+
+* `GradientFaults` writes inf or NaN into chosen gradients at chosen steps,
+  optionally on one replica only. Call it between computing and applying the
+  gradients (in a custom loop, or in a model's `train_step`).
+* `OverflowAt` is a Keras layer that multiplies its input by a huge factor on
+  chosen training steps: under `mixed_float16` the activations leave float16's
+  range (largest finite value 65504) and the loss becomes inf or NaN, as a real
+  forward-pass overflow would.
+
+Both are plain TensorFlow ops with no Python branching on values, so they run
+eagerly, inside `tf.function`, with `jit_compile=True`, and in every replica of
+a `tf.distribute` strategy.
+"""
+
+import math
+import numbers
+from typing import Dict
+from typing import Iterable
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
+from typing import Union
+
+from kmp._backend import keras
+from kmp._backend import tf
+
+FAULT_KINDS = ("inf", "nan")
+
+Schedule = Dict[int, Tuple[str, Sequence[int]]]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_step(step, argument: str) -> int:
+    if not _is_int(step):
+        raise TypeError(
+            f"'{argument}' must be a non-negative integer step index. "
+            f"Received: {argument}={step!r} of type {type(step).__name__}"
+        )
+    if step < 0:
+        raise ValueError(
+            f"'{argument}' must be a non-negative integer step index. "
+            f"Received: {argument}={step!r}"
+        )
+    return int(step)
+
+
+def _check_replica(replica) -> Optional[int]:
+    if replica is None:
+        return None
+    return _check_step(replica, "replica")
+
+
+def _replica_matches(replica: Optional[int]):
+    """Whether this replica is the chosen one (always True when None)."""
+    if replica is None:
+        return tf.constant(True)
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        raise ValueError(
+            "A fault limited to one replica must be injected in a replica "
+            "context, inside strategy.run(...). Received: replica="
+            f"{replica!r} in a cross-replica context."
+        )
+    replica_id = tf.cast(context.replica_id_in_sync_group, tf.int64)
+    return tf.equal(replica_id, replica)
+
+
+def _poison(values: tf.Tensor, now, kind: str) -> tf.Tensor:
+    """`values` with its first element set to inf or NaN when `now` is True."""
+    bad = tf.constant(math.inf if kind == "inf" else math.nan, values.dtype)
+    first = tf.reshape(tf.equal(tf.range(tf.size(values)), 0), tf.shape(values))
+    return tf.where(tf.logical_and(first, now), bad, values)
+
+
+class GradientFaults:
+    """Writes inf or NaN into chosen gradients at chosen steps.
+
+    The schedule maps a step index to a fault: its kind, `"inf"` or `"nan"`,
+    and the indices of the gradients to corrupt (positions in the gradient
+    list). On a scheduled step the first element of each chosen gradient is
+    replaced; every other step, and every other gradient, passes through
+    unchanged. With `replica` set, only that replica (its
+    `replica_id_in_sync_group`) corrupts its gradients, which is how a fault
+    on one GPU or one worker looks.
+
+    The step is a tensor (or number), compared inside the graph, so one traced
+    `tf.function` serves every step. Keep your own step counter: an
+    optimizer's `iterations` does not advance on a skipped step.
+
+    Args:
+        schedule: `{step: (kind, [gradient indices])}`, steps and indices
+            non-negative integers, `kind` one of `"inf"`, `"nan"`.
+        replica: Inject only on this replica; `None` (default) for all.
+
+    Raises:
+        TypeError: `schedule` is not a dict, or a step, kind or index has the
+            wrong type.
+        ValueError: a step, kind or index has a wrong value.
+
+    Example:
+
+    >>> faults = GradientFaults({1: ("nan", [0])})
+    >>> grads = [tf.constant([1.0, 2.0]), tf.constant(3.0)]
+    >>> [g.numpy().tolist() for g in faults(grads, step=0)]
+    [[1.0, 2.0], 3.0]
+    >>> [g.numpy().tolist() for g in faults(grads, step=1)]
+    [[nan, 2.0], 3.0]
+    """
+
+    def __init__(self, schedule: Schedule, replica: Optional[int] = None):
+        if not isinstance(schedule, dict):
+            raise TypeError(
+                "'schedule' must be a dict {step: (kind, [gradient indices])}"
+                f", e.g. {{3: ('inf', [0])}}. Received: schedule={schedule!r}"
+                f" of type {type(schedule).__name__}"
+            )
+        checked = {}
+        for step, fault in schedule.items():
+            step = _check_step(step, "schedule step")
+            if not isinstance(fault, (tuple, list)) or len(fault) != 2:
+                raise TypeError(
+                    "Each schedule entry must be a pair (kind, [gradient "
+                    f"indices]), e.g. ('inf', [0]). Received: {fault!r} at "
+                    f"step {step}"
+                )
+            kind, indices = fault
+            if kind not in FAULT_KINDS:
+                raise ValueError(
+                    f"A fault kind must be one of {FAULT_KINDS}. Received: "
+                    f"{kind!r} at step {step}"
+                )
+            if isinstance(indices, (str, bytes)) or not isinstance(
+                indices, Iterable
+            ):
+                raise TypeError(
+                    "The gradient indices of a fault must be a list of "
+                    f"integers, e.g. [0, 2]. Received: {indices!r} at step "
+                    f"{step}"
+                )
+            indices = tuple(
+                _check_step(index, "gradient index") for index in indices
+            )
+            checked[step] = (kind, indices)
+        self._schedule = checked
+        self._replica = _check_replica(replica)
+
+    @property
+    def schedule(self) -> Schedule:
+        """The validated schedule, `{step: (kind, (indices, ...))}`."""
+        return dict(self._schedule)
+
+    @property
+    def replica(self) -> Optional[int]:
+        """The only replica that injects, or None for every replica."""
+        return self._replica
+
+    def __call__(self, gradients: Iterable, step) -> List:
+        """Returns the gradients, corrupted if `step` is a scheduled step.
+
+        Args:
+            gradients: A list of gradients (tensors, `tf.IndexedSlices` or
+                `None`), as `tape.gradient` returns.
+            step: The current step index, a Python int or an integer tensor.
+
+        Returns:
+            A new list of the same length; `None` entries stay `None`.
+
+        Raises:
+            ValueError: a scheduled index is out of range or points at a
+                `None` gradient; `replica` is set but this is a
+                cross-replica context.
+        """
+        gradients = list(gradients)
+        for step_index, (_, indices) in self._schedule.items():
+            for index in indices:
+                if index >= len(gradients) or gradients[index] is None:
+                    raise ValueError(
+                        f"The fault at step {step_index} targets gradient "
+                        f"{index}, but there are {len(gradients)} gradients"
+                        " and that one is missing or None."
+                    )
+        if not self._schedule:
+            return gradients
+        step = tf.cast(step, tf.int64)
+        on_replica = _replica_matches(self._replica)
+        for step_index, (kind, indices) in self._schedule.items():
+            now = tf.logical_and(on_replica, tf.equal(step, step_index))
+            for index in indices:
+                gradient = gradients[index]
+                if isinstance(gradient, tf.IndexedSlices):
+                    gradients[index] = tf.IndexedSlices(
+                        _poison(gradient.values, now, kind),
+                        gradient.indices,
+                        gradient.dense_shape,
+                    )
+                else:
+                    gradients[index] = _poison(
+                        tf.convert_to_tensor(gradient), now, kind
+                    )
+        return gradients
+
+
+@keras.saving.register_keras_serializable(package="kmp")
+class OverflowAt(keras.layers.Layer):
+    """Multiplies its input by `factor` on chosen training steps.
+
+    An identity layer except on the scheduled steps, where it returns
+    `inputs * factor` computed in the layer's compute dtype. With a factor
+    above 65504 (float16's largest finite value) the activations overflow to
+    inf under `mixed_float16`, while the same layer stays finite under
+    `float32`: put it before the output layer to reproduce a forward-pass
+    overflow. It counts its own calls with `training=True` in a non-trainable
+    int64 variable, `calls` (steps are 0-based), so a skipped step does not
+    repeat the fault; calls with `training=False` pass through uncounted.
+
+    Args:
+        steps: A step index or a list of them (non-negative integers).
+        factor: The multiplier, a finite number > 0; 2**17 by default.
+        replica: Overflow only on this replica; `None` (default) for all.
+        **kwargs: Passed to `keras.layers.Layer` (`name`, `dtype`, ...).
+
+    Raises:
+        TypeError: `steps`, `factor` or `replica` has the wrong type.
+        ValueError: a step is negative, or `factor` is not finite and > 0.
+
+    Example:
+
+    >>> layer = OverflowAt(steps=[1], dtype="float16")
+    >>> x = tf.constant([1.0])
+    >>> [float(layer(x, training=True)[0]) for _ in range(3)]
+    [1.0, inf, 1.0]
+    """
+
+    def __init__(
+        self,
+        steps: Union[int, Iterable[int]],
+        factor: float = 2.0**17,
+        replica: Optional[int] = None,
+        **kwargs,
+    ):
+        if _is_int(steps):
+            steps = [steps]
+        elif isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
+            raise TypeError(
+                "'steps' must be a step index or a list of them. Received: "
+                f"steps={steps!r} of type {type(steps).__name__}"
+            )
+        steps = sorted({_check_step(step, "steps") for step in steps})
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+            raise TypeError(
+                "'factor' must be a number. Received: "
+                f"factor={factor!r} of type {type(factor).__name__}"
+            )
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(
+                "'factor' must be a finite number > 0. Received: "
+                f"factor={factor!r}"
+            )
+        super().__init__(**kwargs)
+        self._steps = steps
+        self._factor = float(factor)
+        self._replica = _check_replica(replica)
+        self.supports_masking = True
+        self.calls = self.add_weight(
+            shape=(),
+            dtype="int64",
+            initializer="zeros",
+            trainable=False,
+            aggregation="only_first_replica",
+            name="calls",
+        )
+
+    @property
+    def steps(self) -> List[int]:
+        """The training steps on which the layer overflows, sorted."""
+        return list(self._steps)
+
+    @property
+    def factor(self) -> float:
+        """The multiplier applied on those steps."""
+        return self._factor
+
+    def call(self, inputs, training=None):
+        if not training or not self._steps:
+            return inputs
+        calls = tf.convert_to_tensor(self.calls)
+        now = tf.logical_and(
+            _replica_matches(self._replica),
+            tf.reduce_any(tf.equal(calls, tf.constant(self._steps, tf.int64))),
+        )
+        # Multiplying in the compute dtype is the point: float16 overflows.
+        scaled = inputs * tf.cast(self._factor, inputs.dtype)
+        self.calls.assign_add(1)
+        return tf.where(now, scaled, inputs)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self) -> dict:
+        config = super().get_config()
+        config.update(
+            {
+                "steps": list(self._steps),
+                "factor": self._factor,
+                "replica": self._replica,
+            }
+        )
+        return config
