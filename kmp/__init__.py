@@ -1,5 +1,11 @@
-"""kmp: mixed precision for Keras 3, the same in `model.fit` and custom loops."""
+"""kmp: mixed precision for Keras 3, the same in `fit` and in custom loops."""
 
+from kmp import callbacks
+from kmp import mixed_precision
+from kmp.auditing import AuditReport
+from kmp.auditing import audit
+from kmp.conversion import convert
+from kmp.inspection import summary
 from kmp.optimizer import LossScaleOptimizer
 from kmp.policy import Policy
 from kmp.policy import global_policy
@@ -9,10 +15,16 @@ from kmp.policy import set_global_policy
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuditReport",
     "LossScaleOptimizer",
     "Policy",
     "__version__",
+    "audit",
+    "callbacks",
+    "convert",
     "global_policy",
+    "mixed_precision",
     "policy_scope",
     "set_global_policy",
+    "summary",
 ]

@@ -37,14 +37,14 @@ import numpy as np
 from kmp import loss_scale as _rule
 from kmp._backend import keras
 from kmp._backend import tf
-from kmp.convert import LOW_PRECISION_DTYPES
-from kmp.convert import _check_graph_model
-from kmp.convert import _is_floating
-from kmp.convert import convert
+from kmp.conversion import LOW_PRECISION_DTYPES
+from kmp.conversion import _check_graph_model
+from kmp.conversion import _is_floating
+from kmp.conversion import convert
 from kmp.policy import PolicyLike
 from kmp.policy import _to_policy
-from kmp.summary import _format_table
-from kmp.summary import _load_model
+from kmp.inspection import _format_table
+from kmp.inspection import _load_model
 
 # The magnitudes each compute dtype represents: (smallest subnormal, smallest
 # normal, largest finite).
@@ -298,7 +298,8 @@ class _Stats:
 
 
 def _scaled(gradient: np.ndarray, scale: float) -> np.ndarray:
-    return (gradient.astype(np.float64) * scale).astype(np.float32)
+    with np.errstate(over="ignore"):  # inf is not underflow; it is ignored.
+        return (gradient.astype(np.float64) * scale).astype(np.float32)
 
 
 def _squared_distance(values: np.ndarray, reference: np.ndarray) -> float:
@@ -327,34 +328,37 @@ def _graph(model):
     return model
 
 
-def _layer_calls(model):
-    """(row name, layer, node) for every layer call in the model's graph."""
+def _call_indices(model) -> Dict[int, int]:
+    """Maps id(node) to the node's rank among its layer's calls in the model.
+
+    Node indices differ between copies of a model (a loaded Sequential model
+    has an extra node per layer, for one); these ranks do not.
+    """
     graph = _graph(model)
     in_graph = {
         id(node) for nodes in graph._nodes_by_depth.values() for node in nodes
     }
+    ranks = {}
+    for layer in graph.operations:
+        nodes = [n for n in layer._inbound_nodes if id(n) in in_graph]
+        ranks.update((id(node), rank) for rank, node in enumerate(nodes))
+    return ranks
+
+
+def _layer_calls(model, ranks):
+    """(row name, layer, node) for every layer call in the model's graph."""
     calls = []
     for layer in model.layers:
         if isinstance(layer, keras.layers.InputLayer):
             continue
-        index = 0
         for node in layer._inbound_nodes:
-            if id(node) not in in_graph:
+            rank = ranks.get(id(node))
+            if rank is None:
                 continue
             if any(_is_floating(x.dtype) for x in node.outputs):
-                name = layer.name if index == 0 else f"{layer.name}#{index}"
+                name = layer.name if rank == 0 else f"{layer.name}#{rank}"
                 calls.append((name, layer, node))
-            index += 1
     return calls
-
-
-def _tensor_key(tensor, inputs):
-    """Names a tensor alike in two clones of a model: inputs by position."""
-    for index, model_input in enumerate(inputs):
-        if tensor is model_input:
-            return ("input", index)
-    history = tensor._keras_history
-    return history.operation.name, history.node_index, history.tensor_index
 
 
 class _Probe:
@@ -362,7 +366,8 @@ class _Probe:
 
     def __init__(self, model):
         graph = _graph(model)
-        self.calls = _layer_calls(model)
+        self._ranks = _call_indices(model)
+        self.calls = _layer_calls(model, self._ranks)
         self.inputs = keras.tree.flatten(graph.inputs)
         self.outputs = keras.tree.flatten(graph.outputs)
         tensors = [*self.inputs, *self.outputs]
@@ -372,7 +377,16 @@ class _Probe:
             tensors.extend(node.outputs)
             self.call_slices.append(slice(start, len(tensors)))
         self.model = keras.Model(graph.input, tensors)
-        self.keys = [_tensor_key(t, self.inputs) for t in tensors]
+        self.keys = [self.key(t) for t in tensors]
+
+    def key(self, tensor):
+        """Names a tensor alike in two copies of a model."""
+        for index, model_input in enumerate(self.inputs):
+            if tensor is model_input:
+                return ("input", index)
+        operation, node_index, tensor_index = tensor._keras_history
+        node = operation._inbound_nodes[node_index]
+        return operation.name, self._ranks[id(node)], tensor_index
 
     def __call__(self, x):
         return keras.tree.flatten(self.model(x, training=False))
@@ -407,13 +421,11 @@ def _batches(x, y, batch_size, steps):
         raise ValueError("'x' holds no samples (its first dimension is 0).")
     for start in range(0, min(count, batch_size * steps), batch_size):
         chunk = slice(start, start + batch_size)
-        x_batch = keras.tree.map_structure(lambda a: a[chunk], x)
-        y_batch = (
-            None
-            if y is None
-            else keras.tree.map_structure(lambda a: a[chunk], y)
-        )
-        yield x_batch, y_batch
+        yield _take(x, chunk), None if y is None else _take(y, chunk)
+
+
+def _take(structure, chunk: slice):
+    return keras.tree.map_structure(lambda array: array[chunk], structure)
 
 
 def _as_arrays(structure):
@@ -503,6 +515,11 @@ def audit(
     reference_model = convert(model, "float32")
     low_probe = _Probe(low_model)
     reference_probe = _Probe(reference_model)
+    if [c[0] for c in low_probe.calls] != [c[0] for c in reference_probe.calls]:
+        raise RuntimeError(  # pragma: no cover - a kmp bug if it happens
+            "kmp.audit() could not match the layer calls of the model and "
+            "of its float32 copy; please report this with your model."
+        )
     dtypes = [
         layer.dtype_policy.compute_dtype for _, layer, _ in low_probe.calls
     ]
@@ -526,6 +543,15 @@ def audit(
         raise ValueError(
             f"'loss_scale' must be a finite number >= 1. Received: "
             f"loss_scale={loss_scale!r}"
+        )
+    if max_relative_error is not None and not (
+        isinstance(max_relative_error, (int, float))
+        and not isinstance(max_relative_error, bool)
+        and max_relative_error > 0
+    ):
+        raise ValueError(
+            "'max_relative_error' must be a positive number or None. "
+            f"Received: max_relative_error={max_relative_error!r}"
         )
     loss_fn = None if y is None else _resolve_loss(loss, model)
     x = _as_arrays(x)
@@ -581,7 +607,7 @@ def audit(
 def _policy_description(model) -> str:
     names = {
         layer.dtype_policy.name
-        for _, layer, _ in _layer_calls(model)
+        for _, layer, _ in _layer_calls(model, _call_indices(model))
         if layer.dtype_policy.compute_dtype in LOW_PRECISION_DTYPES
     }
     return "/".join(sorted(names)) or model.dtype_policy.name
@@ -630,7 +656,7 @@ def _audit_batch(reference, low, stats, dtypes, x, y, loss_fn, scale):
             np.asarray(tf.cast(v, tf.float32))
             for v in low_values[low.call_slices[index]]
         ]
-        local = _run_alone(layer, node, by_key, low.inputs)
+        local = _run_alone(layer, node, by_key, low.key)
         entry.add_activations(ref, end, local, dtype)
         if loss_fn is None:
             continue
@@ -649,18 +675,16 @@ def _audit_batch(reference, low, stats, dtypes, x, y, loss_fn, scale):
         entry.add_gradients(output_gradients, weight_gradients, dtype, scale)
 
 
-def _run_alone(layer, node, reference_by_key, inputs) -> List[np.ndarray]:
+def _run_alone(layer, node, reference_by_key, key) -> List[np.ndarray]:
     """Runs one layer call under its own policy on the float32 inputs."""
     values = {
-        id(tensor): reference_by_key[_tensor_key(tensor, inputs)]
+        id(tensor): reference_by_key[key(tensor)]
         for tensor in node.arguments.keras_tensors
     }
     args, kwargs = node.arguments.fill_in(values)
     outputs = layer(*args, **{**kwargs, "training": False})
     return [
-        np.asarray(tf.cast(v, tf.float32))
-        for v in keras.tree.flatten(outputs)
-        if _is_floating(v.dtype)
+        np.asarray(tf.cast(v, tf.float32)) for v in keras.tree.flatten(outputs)
     ]
 
 
@@ -704,7 +728,7 @@ def _suggest_float32(rows, max_relative_error):
     return keep, reasons
 
 
-# --- Text and plot --------------------------------------------------------------
+# --- Text and plot ------------------------------------------------------------
 
 
 def _number(value) -> str:
@@ -769,7 +793,8 @@ def _report_text(report: AuditReport) -> str:
         f"scale, {scale_text}. '->0': the share of nonzero float32 values "
         "that round to zero in the layer's compute dtype (underflow). "
         "Error: relative error against float32, in the model and for the "
-        "layer alone (Local). '!' marks values beyond the dtype's maximum.",
+        "layer alone (Local). '!': the layer overflows (values beyond the "
+        "dtype's maximum, or inf/NaN when run alone).",
         "",
     ]
     lines.extend(_format_table(_HEADER, rows, first_number_column=3))
@@ -891,7 +916,7 @@ def _plot(report: AuditReport, path: str) -> None:
     figure.savefig(path)
 
 
-# --- kmp audit --------------------------------------------------------------------
+# --- kmp audit ----------------------------------------------------------------
 
 
 def _existing_file(path: str) -> str:

@@ -14,8 +14,8 @@ from typing import Optional
 # Subcommand name -> the module that implements it.
 COMMANDS = {
     "bench": "kmp.bench",
-    "inspect": "kmp.summary",
-    "audit": "kmp.audit",
+    "inspect": "kmp.inspection",
+    "audit": "kmp.auditing",
     "doctor": "kmp.doctor",
 }
 

@@ -236,7 +236,7 @@ def convert(
     >>> mixed = convert(model, "mixed_float16")
     >>> [layer.dtype_policy.name for layer in mixed.layers]
     ['mixed_float16', 'float32']
-    >>> mixed.output.dtype
+    >>> mixed.outputs[0].dtype
     'float32'
     """
     policy = _to_policy(policy, "policy")
@@ -271,13 +271,36 @@ def convert(
     # "mixed_float16" model and adds loss scaling by itself.
     with policy_scope(policy):
         converted = keras.models.clone_model(
-            model, clone_function=clone_layer, recursive=True
+            model,
+            input_tensors=_named_inputs(model),
+            clone_function=clone_layer,
+            recursive=True,
         )
     for layer, clone in pairs:
         clone.set_weights(layer.get_weights())
     if model.compiled and policy.compute_dtype != "float16":
         _compile_without_loss_scaling(converted, model)
     return converted
+
+
+def _named_inputs(model):
+    """New inputs named like the model's input layers (None if Sequential).
+
+    Left to itself, clone_model names a Functional model's input layers after
+    their tensors ('keras_tensor') rather than after the layers.
+    """
+    if isinstance(model, keras.Sequential):
+        return None
+
+    def new_input(tensor):
+        return keras.Input(
+            batch_shape=tensor.shape,
+            dtype=tensor.dtype,
+            sparse=tensor.sparse,
+            name=tensor._keras_history.operation.name,
+        )
+
+    return keras.tree.map_structure(new_input, model.input)
 
 
 def _compile_without_loss_scaling(converted, model) -> None:

@@ -259,7 +259,7 @@ def format_report(environment: Environment) -> str:
     return "\n".join(lines)
 
 
-# --- The warning set_global_policy gives ------------------------------------------
+# --- The warning set_global_policy gives --------------------------------------
 
 _warning_lock = threading.Lock()
 _float16_checked = False
@@ -310,7 +310,7 @@ def warn_if_float16_is_slow() -> bool:
     return True
 
 
-# --- kmp doctor -------------------------------------------------------------------
+# --- kmp doctor ---------------------------------------------------------------
 
 
 def add_parser(subparsers) -> None:

@@ -23,11 +23,11 @@ from typing import List
 from typing import Optional
 
 from kmp._backend import keras
-from kmp.convert import LOW_PRECISION_DTYPES
-from kmp.convert import _check_graph_model
-from kmp.convert import _is_floating
-from kmp.convert import _is_graph_model
-from kmp.convert import _is_softmax_layer
+from kmp.conversion import LOW_PRECISION_DTYPES
+from kmp.conversion import _check_graph_model
+from kmp.conversion import _is_floating
+from kmp.conversion import _is_graph_model
+from kmp.conversion import _is_softmax_layer
 from kmp.policy import global_policy
 
 # Tensor Cores multiply float16 matrices whose dimensions are multiples of 8.
@@ -254,7 +254,7 @@ def summary(
     return text
 
 
-# --- kmp inspect ----------------------------------------------------------------
+# --- kmp inspect --------------------------------------------------------------
 
 
 def _existing_file(path: str) -> str:

@@ -22,6 +22,7 @@ from typing import Union
 from keras.src.backend.common import global_state as _keras_global_state
 from keras.src.dtype_policies import dtype_policy as _keras_policy_module
 
+from kmp import doctor as _doctor
 from kmp._backend import keras
 
 POLICY_NAMES = (
@@ -182,6 +183,10 @@ def set_global_policy(policy: PolicyLike) -> None:
     Args:
         policy: A policy name, a `Policy`, or `None` to go back to `"float32"`.
 
+    The first time float16 is chosen on a machine without a GPU of compute
+    capability 7.0 or higher, one line is logged (logger `"kmp"`) saying that
+    it will be slow there and what to use instead.
+
     Raises:
         TypeError: `policy` is not a string, a `Policy` or `None`.
         ValueError: `policy` names no floating policy.
@@ -201,6 +206,8 @@ def set_global_policy(policy: PolicyLike) -> None:
     # Keras gets a plain DTypePolicy, so layers that merely follow the global
     # policy save to `.keras` files that load without kmp.
     _set_keras_policy(keras.DTypePolicy(policy.name))
+    if policy.compute_dtype == "float16":
+        _doctor.warn_if_float16_is_slow()
 
 
 def global_policy() -> Policy:

@@ -1,0 +1,355 @@
+"""Tests for kmp.audit and `kmp audit` on models built to over/underflow."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+
+import kmp
+from kmp.auditing import AuditReport
+from kmp.auditing import _suggested_scale
+from kmp.auditing import audit
+from kmp.cli import main
+from kmp.conversion import convert
+
+FLOAT16_MAX = 65504.0
+
+
+def _dense(units, name, value=None, activation=None):
+    layer = keras.layers.Dense(units, name=name, activation=activation)
+    layer.fill = value
+    return layer
+
+
+def _model(*layers, inputs=8):
+    """A Sequential model whose Dense kernels are constant where asked."""
+    model = keras.Sequential([keras.Input((inputs,)), *layers])
+    for layer in layers:
+        if layer.fill is not None:
+            kernel, bias = layer.get_weights()
+            layer.set_weights(
+                [np.full_like(kernel, layer.fill), np.zeros_like(bias)]
+            )
+    return model
+
+
+def _overflow_model():
+    # hidden ~ 2, big ~ 2 * 16 * 2e4 = 6.4e5 > 65504; shrink brings it back.
+    return _model(
+        _dense(16, "hidden", 0.5),
+        _dense(8, "big", 2e4),
+        _dense(8, "shrink", 1e-5),
+        _dense(3, "logits"),
+    )
+
+
+def _underflow_model():
+    # hidden ~ 0.2, tiny ~ 1.6e-9: below float16's smallest subnormal.
+    return _model(
+        _dense(8, "hidden", 0.05),
+        _dense(8, "tiny", 1e-9),
+        _dense(8, "grow", 1e4),
+        _dense(3, "logits"),
+    )
+
+
+def _data(samples=32, features=8, outputs=3):
+    rng = np.random.default_rng(0)
+    x = rng.uniform(size=(samples, features)).astype("float32")
+    y = rng.uniform(size=(samples, outputs)).astype("float32")
+    return x, y
+
+
+def _row(report, name):
+    (row,) = [row for row in report.layers if row.name == name]
+    return row
+
+
+def test_overflowing_layer_is_named():
+    x, y = _data()
+    report = audit(_overflow_model(), x, y, loss="mse", policy="mixed_float16")
+
+    assert isinstance(report, AuditReport)
+    assert [row.name for row in report.layers] == [
+        "hidden",
+        "big",
+        "shrink",
+        "logits",
+    ]
+    big = _row(report, "big")
+    assert big.compute_dtype == "float16"
+    assert big.max_abs > FLOAT16_MAX and big.overflows
+    assert not _row(report, "hidden").overflows
+    assert _row(report, "hidden").local_error < 1e-2
+    # Everything after the overflow is lost in the mixed model...
+    assert math.isinf(_row(report, "logits").relative_error)
+    # ...but the float32 output layer is exact on its own.
+    assert _row(report, "logits").local_error == 0
+    assert report.suggested_keep_float32[0] == "big"
+    assert "exceeds float16's maximum 65504" in report.reasons["big"]
+    assert "hidden" not in report.suggested_keep_float32
+
+
+def test_following_the_suggestion_fixes_the_model():
+    x, y = _data()
+    model = _overflow_model()
+    report = audit(model, x, y, loss="mse", policy="mixed_float16")
+    fixed = convert(
+        model, "mixed_float16", keep_float32=report.suggested_keep_float32
+    )
+
+    again = audit(fixed, x, y, loss="mse")  # policy=None: as it is
+    assert again.policy == "mixed_float16"
+    assert again.suggested_keep_float32 == []
+    assert all(row.relative_error < 1e-2 for row in again.layers)
+    assert np.all(np.isfinite(fixed.predict(x, verbose=0)))
+
+
+def test_underflowing_layer_is_named():
+    x, y = _data()
+    report = audit(_underflow_model(), x, y, loss="mse", policy="mixed_float16")
+
+    tiny = _row(report, "tiny")
+    assert tiny.max_abs < 2.0**-25
+    assert tiny.activation_underflow == 1.0
+    assert tiny.local_error == pytest.approx(1.0)
+    assert _row(report, "hidden").activation_underflow == 0
+    assert "tiny" in report.suggested_keep_float32
+    assert "100% of its activations underflow" in report.reasons["tiny"]
+    assert "hidden" not in report.suggested_keep_float32
+
+
+def test_loss_scale_rescues_gradients_that_underflow():
+    # d loss / d hidden = d loss / d out * 1e-7: about 6e-9, below 2**-25.
+    model = _model(_dense(8, "hidden", 0.1), _dense(1, "out", 1e-7))
+    x = np.full((32, 8), 0.5, "float32")
+    y = np.ones((32, 1), "float32")
+    report = audit(model, x, y, loss="mse", policy="mixed_float16")
+
+    hidden = _row(report, "hidden")
+    assert report.loss_scale == 2.0**15
+    assert hidden.gradient_underflow_unscaled == 1.0
+    assert hidden.gradient_underflow == 0.0
+    assert report.suggested_initial_scale == 2.0**24  # tiny gradients
+
+
+def test_suggested_scale_keeps_the_largest_gradient_below_the_max():
+    x, y = _data()
+    model = _model(_dense(16, "hidden", activation="relu"), _dense(3, "out"))
+    report = audit(model, x, y, loss="mse", policy="mixed_float16")
+
+    scale, largest = report.suggested_initial_scale, report.max_gradient
+    assert largest > 0
+    assert math.log2(scale).is_integer()
+    assert largest * scale <= FLOAT16_MAX / 16 < largest * scale * 2
+    assert report.suggested_keep_float32 == []
+
+
+def test_max_relative_error_sets_the_threshold():
+    x, y = _data()
+    model = _model(_dense(16, "hidden"), _dense(3, "out"))
+    default = audit(model, x, y, "mse", "mixed_float16")
+    strict = audit(model, x, y, "mse", "mixed_float16", max_relative_error=1e-9)
+    assert default.suggested_keep_float32 == []
+    assert strict.suggested_keep_float32 == ["hidden"]
+    assert "relative error" in strict.reasons["hidden"]
+    assert "threshold 1e-09" in strict.reasons["hidden"]
+
+
+@pytest.mark.parametrize(
+    "max_gradient, expected",
+    [
+        (1.0, 2.0**11),  # 65504 / 16 = 4094, 2**11 = 2048 <= 4094 < 4096
+        (4094.0, 1.0),
+        (1e6, 1.0),  # clipped to 1
+        (1e-12, 2.0**24),  # clipped to 2**24
+        (0.0, 2.0**24),
+    ],
+    ids=["one", "at_limit", "too_large", "tiny", "zero"],
+)
+def test_suggested_scale_rule(max_gradient, expected):
+    assert _suggested_scale(max_gradient) == expected
+
+
+def test_activations_only_without_y():
+    x, _ = _data()
+    report = audit(_overflow_model(), x, policy="mixed_float16")
+    assert report.suggested_keep_float32[0] == "big"
+    assert report.suggested_initial_scale is None
+    assert all(row.gradient_underflow is None for row in report.layers)
+    assert "no y, no gradients" in report.to_text()
+
+
+def test_bfloat16_needs_no_loss_scale_and_holds_large_values():
+    x, y = _data()
+    report = audit(_overflow_model(), x, y, loss="mse", policy="mixed_bfloat16")
+    assert report.loss_scale == 1.0
+    assert report.suggested_initial_scale is None
+    assert not _row(report, "big").overflows
+    assert report.suggested_keep_float32 == []
+    assert "none needed" in report.to_text()
+
+
+def test_compiled_loss_is_used_and_a_missing_loss_is_an_error():
+    x, y = _data()
+    model = _overflow_model()
+    with pytest.raises(ValueError, match="needs a loss"):
+        audit(model, x, y, policy="mixed_float16")
+    model.compile(loss="mse")
+    report = audit(model, x, y, policy="mixed_float16")
+    assert report.layers[0].gradient_max_abs > 0
+
+
+def test_batches_and_samples():
+    x, y = _data(samples=50)
+    model = _model(_dense(8, "hidden"), _dense(3, "out"))
+    two = audit(model, x, y, "mse", "mixed_float16", batch_size=16, steps=2)
+    assert two.samples == 32
+    everything = audit(
+        model, x, y, "mse", "mixed_float16", batch_size=16, steps=10
+    )
+    assert everything.samples == 50
+
+
+def test_shared_layers_and_several_inputs():
+    left, right = keras.Input((4,)), keras.Input((4,))
+    shared = keras.layers.Dense(4, name="shared")
+    merged = keras.layers.Add(name="add")([shared(left), shared(right)])
+    model = keras.Model(
+        [left, right], keras.layers.Dense(2, name="out")(merged)
+    )
+    rng = np.random.default_rng(1)
+    x = [rng.normal(size=(8, 4)).astype("float32") for _ in range(2)]
+    y = np.zeros((8, 2), "float32")
+
+    report = audit(model, x, y, loss="mse", policy="mixed_float16")
+    assert [row.name for row in report.layers] == [
+        "shared",
+        "shared#1",
+        "add",
+        "out",
+    ]
+    assert all(row.local_error < 1e-2 for row in report.layers)
+    assert _row(report, "shared").weight_gradient_underflow is not None
+    assert _row(report, "shared#1").weight_gradient_underflow is None
+
+
+def test_text_report():
+    x, y = _data()
+    text = audit(
+        _overflow_model(), x, y, loss="mse", policy="mixed_float16"
+    ).to_text()
+    assert text.startswith("Audit of model")
+    assert "under mixed_float16" in text
+    for name in ("hidden", "big", "shrink", "logits"):
+        assert f"\n{name} " in text
+    assert "float16 holds |x| from 5.96e-08" in text
+    assert "keep_float32=['big', 'shrink']" in text
+    assert "Suggested initial loss scale: 2**" in text
+
+
+def test_plot_writes_an_image(tmp_path):
+    x, y = _data()
+    report = audit(_underflow_model(), x, y, "mse", "mixed_float16")
+    path = tmp_path / "ranges.png"
+    report.plot(str(path))
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_float32_model_without_policy_is_an_error():
+    x, _ = _data()
+    with pytest.raises(ValueError, match="nothing to audit.*policy="):
+        audit(_overflow_model(), x)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"batch_size": 0}, ValueError, "'batch_size' must be a positive"),
+        ({"steps": "2"}, TypeError, "'steps' must be a positive integer"),
+        ({"loss": 5}, TypeError, "'loss' must be a loss name"),
+        ({"loss_scale": 0.5}, ValueError, "'loss_scale' must be a finite"),
+        ({"policy": "int8"}, ValueError, "must be one of"),
+        ({"max_relative_error": 0}, ValueError, "'max_relative_error' must"),
+    ],
+    ids=[
+        "batch_size",
+        "steps",
+        "loss",
+        "loss_scale",
+        "policy",
+        "max_relative_error",
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    x, y = _data()
+    kwargs = {"policy": "mixed_float16", **kwargs}
+    with pytest.raises(error, match=match):
+        audit(_overflow_model(), x, y, **kwargs)
+
+
+def test_subclassed_model_is_refused():
+    class Subclassed(keras.Model):
+        def call(self, inputs):
+            return inputs
+
+    with pytest.raises(TypeError, match="subclassed model"):
+        audit(Subclassed(), np.ones((2, 2)), policy="mixed_float16")
+
+
+def test_audit_command(tmp_path, capsys):
+    model = _overflow_model()
+    model.compile(loss="mse")
+    model_path = tmp_path / "model.keras"
+    model.save(model_path)
+    x, y = _data()
+    data_path = tmp_path / "data.npz"
+    np.savez(data_path, x=x, y=y)
+    plot_path = tmp_path / "ranges.png"
+
+    code = main(
+        [
+            "audit",
+            str(model_path),
+            "--data",
+            str(data_path),
+            "--policy",
+            "mixed_float16",
+            "--plot",
+            str(plot_path),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "Keep in float32: kmp.convert(model, 'mixed_float16', " in out
+    assert "- 'big': largest |activation|" in out
+    assert plot_path.exists()
+
+
+def test_audit_command_needs_x_in_the_data(tmp_path):
+    model_path = tmp_path / "model.keras"
+    _overflow_model().save(model_path)
+    data_path = tmp_path / "data.npz"
+    np.savez(data_path, inputs=np.ones((2, 8)))
+    with pytest.raises(SystemExit, match="has no array 'x'.*inputs"):
+        main(["audit", str(model_path), "--data", str(data_path)])
+
+
+def test_audit_command_works_on_a_mixed_model_as_saved(tmp_path, capsys):
+    with kmp.policy_scope("mixed_float16"):
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(8, name="hidden"),
+                keras.layers.Dense(3, dtype="float32", name="out"),
+            ]
+        )
+    model_path = tmp_path / "mixed.keras"
+    model.save(model_path)
+    data_path = tmp_path / "data.npz"
+    np.savez(data_path, x=_data()[0])
+    assert main(["audit", str(model_path), "--data", str(data_path)]) == 0
+    out = capsys.readouterr().out
+    assert "under mixed_float16" in out
+    assert "Keep in float32: no layer needs it." in out

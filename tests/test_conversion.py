@@ -1,0 +1,278 @@
+"""Tests for kmp.convert: same architecture and weights, another policy."""
+
+import keras
+import numpy as np
+import pytest
+
+import kmp
+from kmp.conversion import convert
+
+LOW_PRECISION = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
+
+
+def _sequential():
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="relu", name="hidden"),
+            keras.layers.BatchNormalization(name="norm"),
+            keras.layers.Dense(3, name="logits"),
+        ],
+        name="seq",
+    )
+
+
+def _functional():
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
+    other = keras.layers.Dense(8, name="other")(inputs)
+    merged = keras.layers.Add(name="add")([hidden, other])
+    logits = keras.layers.Dense(3, name="logits")(merged)
+    probabilities = keras.layers.Softmax(name="softmax")(logits)
+    return keras.Model(inputs, probabilities, name="func")
+
+
+BUILDERS = {"sequential": _sequential, "functional": _functional}
+
+
+def _policies(model):
+    return {
+        layer.name: layer.dtype_policy.name
+        for layer in model.layers
+        if not isinstance(layer, keras.layers.InputLayer)
+    }
+
+
+def _assert_same_weights(a, b):
+    weights_a, weights_b = a.get_weights(), b.get_weights()
+    assert len(weights_a) == len(weights_b) > 0
+    for x, y in zip(weights_a, weights_b):
+        assert x.dtype == y.dtype
+        assert x.tobytes() == y.tobytes()  # bit for bit
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+@pytest.mark.parametrize("policy", list(LOW_PRECISION))
+def test_convert_to_mixed_keeps_weights_and_ends_in_float32(kind, policy):
+    model = BUILDERS[kind]()
+    converted = convert(model, policy)
+
+    assert type(converted) is type(model)
+    assert converted is not model
+    assert [x.name for x in converted.layers] == [x.name for x in model.layers]
+    _assert_same_weights(model, converted)
+    assert converted.get_layer("hidden").dtype_policy.name == policy
+    assert converted.get_layer("hidden").compute_dtype == LOW_PRECISION[policy]
+    assert keras.backend.standardize_dtype(converted.outputs[0].dtype) == (
+        "float32"
+    )
+    x = np.random.default_rng(0).normal(size=(4, 6)).astype("float32")
+    expected = model.predict(x, verbose=0)
+    actual = converted.predict(x, verbose=0)
+    assert actual.dtype == np.float32
+    np.testing.assert_allclose(actual, expected, rtol=0.1, atol=0.05)
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_original_model_is_untouched(kind):
+    model = BUILDERS[kind]()
+    policies = _policies(model)
+    weights = model.get_weights()
+    variables = list(model.weights)
+
+    converted = convert(model, "mixed_float16")
+    converted.get_layer("hidden").kernel.assign(
+        np.zeros(converted.get_layer("hidden").kernel.shape)
+    )
+
+    assert _policies(model) == policies
+    assert list(model.weights) == variables
+    for before, after in zip(weights, model.get_weights()):
+        assert before.tobytes() == after.tobytes()
+
+
+def test_output_layer_and_softmax_stay_float32_by_default():
+    converted = convert(_functional(), "mixed_float16")
+    policies = _policies(converted)
+    assert policies["softmax"] == "float32"  # the output, and a softmax
+    assert policies["logits"] == "mixed_float16"
+    assert policies["hidden"] == policies["other"] == "mixed_float16"
+
+
+def test_last_dense_layer_is_kept_float32_rather_than_adding_a_cast():
+    model = _sequential()
+    converted = convert(model, "mixed_float16")
+    assert len(converted.layers) == len(model.layers)
+    assert converted.get_layer("logits").dtype_policy.name == "float32"
+
+
+def test_softmax_activation_layer_inside_the_model_stays_float32():
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8, name="scores"),
+            keras.layers.Activation("softmax", name="attention"),
+            keras.layers.Dense(2, name="out"),
+        ]
+    )
+    policies = _policies(convert(model, "mixed_float16"))
+    assert policies == {
+        "scores": "mixed_float16",
+        "attention": "float32",
+        "out": "float32",
+    }
+
+
+def test_batch_normalization_follows_the_policy_and_computes_in_float32():
+    # Documented decision: BN is not kept in float32; Keras upcasts inside.
+    converted = convert(_sequential(), "mixed_float16")
+    norm = converted.get_layer("norm")
+    assert norm.dtype_policy.name == "mixed_float16"
+    assert {v.dtype for v in norm.weights} == {"float32"}
+    x = np.full((2, 8), 300.0, "float32")  # x**2 overflows float16
+    assert np.all(np.isfinite(np.asarray(norm(x, training=True))))
+
+
+def test_round_trip_back_to_float32_is_exact():
+    model = _functional()
+    mixed = convert(model, "mixed_bfloat16")
+    back = convert(mixed, "float32")
+    assert set(_policies(back).values()) == {"float32"}
+    _assert_same_weights(model, back)
+    x = np.ones((2, 6), "float32")
+    np.testing.assert_array_equal(
+        back.predict(x, verbose=0), model.predict(x, verbose=0)
+    )
+
+
+def test_float16_policy_rounds_variables():
+    model = _sequential()
+    converted = convert(model, "float16")
+    hidden = converted.get_layer("hidden")
+    assert hidden.kernel.dtype == "float16"
+    np.testing.assert_array_equal(
+        np.asarray(hidden.kernel),
+        model.get_layer("hidden").get_weights()[0].astype("float16"),
+    )
+
+
+def test_policy_accepts_a_kmp_policy():
+    converted = convert(_sequential(), kmp.Policy("mixed_bfloat16"))
+    assert converted.get_layer("hidden").dtype_policy.name == "mixed_bfloat16"
+
+
+@pytest.mark.parametrize(
+    "keep, expected",
+    [
+        (["hidden"], {"hidden"}),
+        (["h*"], {"hidden"}),
+        ("hidden", {"hidden"}),
+        ([keras.layers.BatchNormalization], {"norm"}),
+        (["hid?en", keras.layers.BatchNormalization], {"hidden", "norm"}),
+    ],
+    ids=["name", "glob", "single_string", "class", "mixed"],
+)
+def test_keep_float32(keep, expected):
+    converted = convert(_sequential(), "mixed_float16", keep_float32=keep)
+    float32 = {
+        name
+        for name, policy in _policies(converted).items()
+        if policy == "float32"
+    }
+    assert float32 == expected | {"logits"}
+
+
+def test_keep_float32_name_matching_nothing_lists_the_layers():
+    with pytest.raises(ValueError, match="matches no layer.*'hidden'.*'norm'"):
+        convert(_sequential(), "mixed_float16", keep_float32=["dense_9"])
+    with pytest.raises(ValueError, match="'conv\\*' matches no layer"):
+        convert(_sequential(), "mixed_float16", keep_float32=["conv*"])
+
+
+def test_keep_float32_rejects_other_types():
+    with pytest.raises(TypeError, match="layer name, a glob pattern"):
+        convert(_sequential(), "mixed_float16", keep_float32=[3])
+    with pytest.raises(TypeError, match="must be a list of layer names"):
+        convert(_sequential(), "mixed_float16", keep_float32=5)
+
+
+def test_nested_models_are_converted_layer_by_layer():
+    block = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(4, name="inner_a"),
+            keras.layers.Dense(4, name="inner_b"),
+        ],
+        name="block",
+    )
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(2, name="head")(block(inputs))
+    model = keras.Model(inputs, outputs)
+
+    converted = convert(model, "mixed_float16")
+    inner = converted.get_layer("block")
+    assert inner is not block
+    assert _policies(inner) == {
+        "inner_a": "mixed_float16",
+        "inner_b": "mixed_float16",
+    }
+    _assert_same_weights(model, converted)
+
+    kept = convert(model, "mixed_float16", keep_float32=["block"])
+    assert set(_policies(kept.get_layer("block")).values()) == {"float32"}
+
+
+def test_compiled_model_gets_loss_scaling_and_loses_it_going_back():
+    model = _sequential()
+    model.compile(optimizer="sgd", loss="mse")
+
+    mixed = convert(model, "mixed_float16")
+    assert isinstance(mixed.optimizer, kmp.LossScaleOptimizer)
+    assert mixed.optimizer is not model.optimizer
+
+    back = convert(mixed, "float32")
+    assert isinstance(back.optimizer, keras.optimizers.SGD)
+    assert not isinstance(back.optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def test_converted_model_saves_and_loads_with_its_policies(tmp_path):
+    converted = convert(_functional(), "mixed_float16")
+    path = tmp_path / "converted.keras"
+    converted.save(path)
+    loaded = keras.saving.load_model(path)
+    assert _policies(loaded) == _policies(converted)
+    _assert_same_weights(converted, loaded)
+
+
+def test_subclassed_model_is_refused_with_the_alternative():
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, inputs):
+            return self.dense(inputs)
+
+    model = Subclassed()
+    model(np.ones((1, 3)))
+    with pytest.raises(TypeError, match="subclassed model.*policy_scope"):
+        convert(model, "mixed_float16")
+
+
+def test_non_model_is_refused():
+    with pytest.raises(TypeError, match="'model' must be a keras.Model"):
+        convert(keras.layers.Dense(2), "mixed_float16")
+
+
+@pytest.mark.parametrize(
+    "policy, error, match",
+    [
+        ("int32", ValueError, "must be one of"),
+        ("mixed_float32", ValueError, "must be one of"),
+        (16, TypeError, "policy name"),
+    ],
+    ids=["int32", "mixed_float32", "number"],
+)
+def test_bad_policy(policy, error, match):
+    with pytest.raises(error, match=match):
+        convert(_sequential(), policy)

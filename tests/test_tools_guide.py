@@ -1,0 +1,62 @@
+"""guides/tools.py runs from top to bottom and shows what it says it shows."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+GUIDE = pathlib.Path(__file__).resolve().parents[1] / "guides" / "tools.py"
+
+
+@pytest.fixture(scope="module")
+def guide_output(tmp_path_factory):
+    environment = dict(
+        os.environ,
+        KMP_GUIDE_SMALL="1",
+        KERAS_BACKEND="tensorflow",
+        TF_CPP_MIN_LOG_LEVEL="3",
+        TMPDIR=str(tmp_path_factory.mktemp("guide")),
+    )
+    result = subprocess.run(
+        [sys.executable, str(GUIDE)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_guide_recommends_a_policy(guide_output):
+    assert re.search(r"Recommended policy: \w+", guide_output)
+    assert "['Tesla T4'] -> mixed_float16" in guide_output
+
+
+def test_guide_summary_flags_the_naive_mixed_model(guide_output):
+    assert "Findings: none." in guide_output
+    assert "Model output 'probabilities' is float16" in guide_output
+
+
+def test_guide_audit_names_the_overflowing_layer(guide_output):
+    assert "keep_float32=['raw_features']" in guide_output
+    assert "raw_features: max |x|" in guide_output
+    assert "plot written: ranges.png" in guide_output
+
+
+def test_guide_conversion_fixes_the_overflow(guide_output):
+    assert "weights identical: True" in guide_output
+    assert "without keep_float32, finite outputs: False" in guide_output
+    assert "with it, same predictions as float32: 100%" in guide_output
+    assert guide_output.count("Keep in float32: no layer needs it.") == 1
+
+
+def test_guide_monitor_logs_the_loss_scale(guide_output):
+    epochs = re.findall(
+        r"epoch \d+: loss scale (\d+), skipped steps (\d+)", guide_output
+    )
+    assert len(epochs) == 2
+    assert all(int(scale) >= 1 for scale, _ in epochs)
