@@ -23,6 +23,7 @@ import math
 import numbers
 import threading
 import warnings
+import weakref
 from typing import Callable
 from typing import Iterable
 from typing import List
@@ -41,11 +42,20 @@ _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 _KerasOptimizer = keras.optimizers.Optimizer
 _FLOAT16_TYPES = (tf.float16, tf.bfloat16)
 
-# Set by `scale_loss` (the hook Keras's `fit` calls) and taken by the next
-# `apply_gradients` in the same thread: it then receives *scaled* gradients.
-# `get_scaled_loss` / `get_unscaled_gradients` clear it. Thread-local because
-# MirroredStrategy runs each replica's step in its own thread.
-_scaled_gradients_pending = threading.local()
+# Which protocol the gradients reaching `apply_gradients` follow: "scaled"
+# after `scale_loss` (Keras 3's protocol, which `fit` uses), "unscaled" after
+# `get_scaled_loss` / `get_unscaled_gradients`. Recorded per thread (each
+# MirroredStrategy replica runs in its own) and per graph, so it is known when
+# the step is traced; when the gradients come from another tf.function, the
+# optimizer's `_grads_scaled` variable decides when the step runs.
+_protocol = threading.local()
+_SCALED, _UNSCALED = "scaled", "unscaled"
+
+
+def _protocol_records() -> weakref.WeakKeyDictionary:
+    if not hasattr(_protocol, "by_graph"):
+        _protocol.by_graph = weakref.WeakKeyDictionary()
+    return _protocol.by_graph
 
 
 def _unsupported_strategy_types():
@@ -218,25 +228,32 @@ def _unscale_gradient(gradient, scale: tf.Tensor):
 def _finite_per_gradient(gradients) -> tf.Tensor:
     """A bool vector: whether each gradient is free of inf and NaN.
 
-    `None` gradients count as finite. Sparse gradients are checked on their
-    values, without densifying them.
+    One reduction per gradient: an inf or NaN anywhere makes its sum
+    non-finite (a finite gradient whose elements add up beyond the float32
+    range, about 3.4e38, counts as non-finite too). `None` gradients count as
+    finite; sparse gradients are checked on their values, kept sparse.
     """
-    flags = [
-        tf.constant(True)
-        if g is None
-        else tf.reduce_all(
-            tf.math.is_finite(
-                g.values if isinstance(g, tf.IndexedSlices) else g
-            )
-        )
-        for g in gradients
-    ]
-    return tf.stack(flags) if flags else tf.ones([0], tf.bool)
+    sums = []
+    for g in gradients:
+        if g is None:
+            sums.append(tf.constant(0.0))
+            continue
+        values = g.values if isinstance(g, tf.IndexedSlices) else g
+        if values.dtype in _FLOAT16_TYPES:
+            values = tf.cast(values, tf.float32)  # sum without overflowing
+        sums.append(tf.cast(tf.reduce_sum(values), tf.float32))
+    if not sums:
+        return tf.ones([0], tf.bool)
+    return tf.math.is_finite(tf.stack(sums))
 
 
 def _in_xla_context() -> bool:
     graph = tf.compat.v1.get_default_graph()
     return control_flow_util.GraphOrParentsInXlaContext(graph)
+
+
+_aggregation_lock = threading.Lock()
+_aggregation_depth = {}
 
 
 @contextlib.contextmanager
@@ -245,13 +262,22 @@ def _without_gradient_aggregation(optimizer):
 
     The loss-scale optimizer sums the gradients across replicas itself, before
     deciding whether the step is finite; the inner optimizer must then apply
-    them as they are.
+    them as they are. Replica threads enter this together, hence the count.
     """
-    optimizer._all_reduce_sum_gradients = list
+    key = id(optimizer)
+    with _aggregation_lock:
+        depth = _aggregation_depth.get(key, 0)
+        if depth == 0:
+            optimizer._all_reduce_sum_gradients = list
+        _aggregation_depth[key] = depth + 1
     try:
         yield
     finally:
-        del optimizer._all_reduce_sum_gradients
+        with _aggregation_lock:
+            _aggregation_depth[key] -= 1
+            if _aggregation_depth[key] == 0:
+                del _aggregation_depth[key]
+                del optimizer._all_reduce_sum_gradients
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -356,6 +382,17 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             self._skipped_in_a_row = self._own_variable(
                 "consecutive_skips", 0, "int64"
             )
+        # Run-time record of the protocol (see `_take_protocol`): not training
+        # state, so set past Keras's tracking, out of `variables` and files.
+        with keras.name_scope(self.name, caller=self):
+            grads_scaled = keras.Variable(
+                False,
+                dtype="bool",
+                trainable=False,
+                aggregation="only_first_replica",
+                name="grads_scaled",
+            )
+        object.__setattr__(self, "_grads_scaled", grads_scaled)
 
     def _own_variable(self, name, value, dtype):
         variable = keras.Variable(
@@ -457,9 +494,13 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         Raises:
             TypeError: `loss` is not floating point.
         """
-        _scaled_gradients_pending.value = False
         if callable(loss):
             return lambda: self.get_scaled_loss(loss())
+        scaled = self._scaled(loss)
+        self._set_protocol(_UNSCALED)
+        return scaled
+
+    def _scaled(self, loss):
         loss = _floating_tensor(loss, "loss")
         return _scale_tensor(loss, self.loss_scale, divide=False)
 
@@ -478,7 +519,6 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         Raises:
             TypeError: `grads` is not an iterable of gradients.
         """
-        _scaled_gradients_pending.value = False
         if isinstance(grads, (tf.Tensor, tf.IndexedSlices)) or not isinstance(
             grads, Iterable
         ):
@@ -494,7 +534,9 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             ):
                 grads[index] = _floating_tensor(gradient, f"grads[{index}]")
         scale = self.loss_scale
-        return [_unscale_gradient(g, scale) for g in grads]
+        unscaled = [_unscale_gradient(g, scale) for g in grads]
+        self._set_protocol(_UNSCALED)
+        return unscaled
 
     def scale_loss(self, loss):
         """Keras 3's hook (called by `fit`): scales `loss` like `get_scaled_loss`.
@@ -502,8 +544,30 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         The gradients of its result may be passed, still scaled, to the next
         `apply_gradients` in this thread, which then unscales them itself.
         """
-        scaled = self.get_scaled_loss(loss)
-        _scaled_gradients_pending.value = True
+        scaled = self._scaled(loss)
+        self._set_protocol(_SCALED)
+        return scaled
+
+    def _set_protocol(self, protocol):
+        graph = tf.compat.v1.get_default_graph()
+        _protocol_records()[graph] = protocol
+        self._grads_scaled.assign(protocol == _SCALED)
+
+    def _take_protocol(self):
+        """Whether the gradients now being applied are scaled; resets it.
+
+        Returns True or False when known at trace time, else a bool tensor.
+        """
+        graph = tf.compat.v1.get_default_graph()
+        protocol = _protocol_records().pop(graph, None)
+        if protocol == _UNSCALED:
+            return False
+        scaled = (
+            tf.convert_to_tensor(self._grads_scaled)
+            if protocol is None
+            else True
+        )
+        self._grads_scaled.assign(False)
         return scaled
 
     # --- Applying -----------------------------------------------------------
@@ -523,8 +587,6 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
 
     def apply(self, grads, trainable_variables=None):
         """Applies one step; see the class docstring. Not for stateless use."""
-        grads_are_scaled = getattr(_scaled_gradients_pending, "value", False)
-        _scaled_gradients_pending.value = False
         grads = list(grads)
         if trainable_variables is None:
             if not self.built:
@@ -555,15 +617,19 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                 self.build(trainable_variables)
             self.built = True
         with keras.name_scope(self.name, caller=self):
-            self._apply_step(grads, trainable_variables, grads_are_scaled)
+            scaled = self._take_protocol()
+            self._apply_step(grads, trainable_variables, scaled)
 
-    def _apply_step(self, grads, variables, grads_are_scaled):
+    def _apply_step(self, grads, variables, scaled):
         distributed = tf.distribute.has_strategy()
         replica_context = tf.distribute.get_replica_context()
         if distributed:
             grads = self._sum_over_replicas(grads, replica_context)
-        if grads_are_scaled:
+        if scaled is not False:
+            # True, or a bool tensor: divide by the scale, or by 1.
             scale = self.loss_scale
+            if scaled is not True:
+                scale = tf.where(scaled, scale, tf.ones_like(scale))
             grads = [
                 g
                 if self._overwrite_variable_with_gradient(v)
