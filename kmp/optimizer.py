@@ -19,7 +19,6 @@ Keras's own, when it adds loss scaling by itself (a `mixed_float16` model with
 
 import contextlib
 import functools
-import math
 import numbers
 import threading
 import warnings
@@ -27,6 +26,7 @@ import weakref
 from typing import Callable
 from typing import Iterable
 from typing import List
+from typing import Mapping
 from typing import Optional
 from typing import Union
 
@@ -41,6 +41,7 @@ from kmp._backend import tf
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 _KerasOptimizer = keras.optimizers.Optimizer
 _FLOAT16_TYPES = (tf.float16, tf.bfloat16)
+_MAX_INT64 = 2**63 - 1  # The step counters are int64 variables.
 
 # Which protocol the gradients reaching `apply_gradients` follow: "scaled"
 # after `scale_loss` (Keras 3's protocol, which `fit` uses), "unscaled" after
@@ -113,10 +114,8 @@ def _check_arguments(inner_optimizer, dynamic, initial_scale, growth_steps):
             f"Received: initial_scale={initial_scale!r} of type "
             f"{type(initial_scale).__name__}"
         )
-    elif not (
-        math.isfinite(initial_scale)
-        and _rule.MIN_SCALE <= initial_scale <= _rule.MAX_SCALE
-    ):
+    elif not _rule.MIN_SCALE <= initial_scale <= _rule.MAX_SCALE:
+        # Also false for NaN; compared before any float() of a huge int.
         raise ValueError(
             "'initial_scale' must be a finite number >= 1 (and at most the "
             f"largest float32, {_rule.MAX_SCALE:.4g}). Received: "
@@ -138,10 +137,10 @@ def _check_arguments(inner_optimizer, dynamic, initial_scale, growth_steps):
             f"dynamic_growth_steps={growth_steps!r} of type "
             f"{type(growth_steps).__name__}"
         )
-    elif growth_steps < 1:
+    elif not 1 <= growth_steps <= _MAX_INT64:
         raise ValueError(
-            "'dynamic_growth_steps' must be a positive integer. Received: "
-            f"dynamic_growth_steps={growth_steps!r}"
+            "'dynamic_growth_steps' must be a positive integer (at most "
+            f"2**63 - 1). Received: dynamic_growth_steps={growth_steps!r}"
         )
     strategy = tf.distribute.get_strategy()
     if isinstance(strategy, _unsupported_strategy_types()):
@@ -166,10 +165,10 @@ def _check_skip_options(max_skips, on_persistent_skips, record_nonfinite):
             f"Received: max_consecutive_skips={max_skips!r} of type "
             f"{type(max_skips).__name__}"
         )
-    if max_skips is not None and max_skips < 1:
+    if max_skips is not None and not 1 <= max_skips <= _MAX_INT64:
         raise ValueError(
-            "'max_consecutive_skips' must be a positive integer or None. "
-            f"Received: max_consecutive_skips={max_skips!r}"
+            "'max_consecutive_skips' must be a positive integer (at most "
+            f"2**63 - 1) or None. Received: max_consecutive_skips={max_skips!r}"
         )
     if on_persistent_skips not in ("warn", "raise"):
         raise ValueError(
@@ -183,20 +182,67 @@ def _check_skip_options(max_skips, on_persistent_skips, record_nonfinite):
         )
 
 
+def _describe(value) -> str:
+    """A short description of a user's value for an error message."""
+    if isinstance(value, (tf.Tensor, tf.Variable, keras.Variable)):
+        return f"a tensor of dtype {value.dtype.name} and shape {value.shape}"
+    text = repr(value)
+    if len(text) > 200:
+        text = text[:197] + "..."
+    return f"{text} of type {type(value).__name__}"
+
+
 def _floating_tensor(value, argument: str) -> tf.Tensor:
+    if isinstance(value, bool):
+        raise TypeError(
+            f"'{argument}' must be a floating tensor or number. Received: "
+            f"{argument}={_describe(value)}"
+        )
     try:
         tensor = tf.convert_to_tensor(value)
     except (TypeError, ValueError):
+        if isinstance(value, float):
+            raise ValueError(
+                f"'{argument}' must fit in float32 (at most about 3.4e38 in "
+                f"magnitude). Received: {argument}={value!r}"
+            ) from None
         raise TypeError(
             f"'{argument}' must be a floating tensor or number. Received: "
-            f"{argument}={value!r} of type {type(value).__name__}"
+            f"{argument}={_describe(value)}"
         ) from None
     if not tensor.dtype.is_floating:
         raise TypeError(
-            f"'{argument}' must be floating point. Received: {argument} of "
-            f"dtype {tensor.dtype.name}"
+            f"'{argument}' must be floating point. Received: "
+            f"{argument}={_describe(value)} (dtype {tensor.dtype.name})"
         )
     return tensor
+
+
+def _check_learning_rate(value) -> None:
+    schedule = keras.optimizers.schedules.LearningRateSchedule
+    if isinstance(value, schedule) or (
+        callable(value) and not isinstance(value, (tf.Variable, keras.Variable))
+    ):
+        return
+    if isinstance(value, bool) or not isinstance(
+        value, (numbers.Real, tf.Tensor, tf.Variable, keras.Variable)
+    ):
+        raise TypeError(
+            "'learning_rate' must be a number, a scalar tensor or a "
+            "keras.optimizers.schedules.LearningRateSchedule. Received: "
+            f"learning_rate={_describe(value)}"
+        )
+    if isinstance(value, numbers.Real):
+        if not -_rule.MAX_SCALE <= value <= _rule.MAX_SCALE:  # NaN too.
+            raise ValueError(
+                "'learning_rate' must be a finite number that fits in "
+                f"float32. Received: learning_rate={value!r}"
+            )
+    elif not value.dtype.is_floating:
+        raise TypeError(
+            "'learning_rate' must be floating point. Received: "
+            f"learning_rate={_describe(value)}"
+        )
 
 
 def _scale_tensor(tensor: tf.Tensor, scale: tf.Tensor, divide: bool):
@@ -213,38 +259,105 @@ def _scale_tensor(tensor: tf.Tensor, scale: tf.Tensor, divide: bool):
     return tensor / scale if divide else tensor * scale
 
 
-def _unscale_gradient(gradient, scale: tf.Tensor):
-    if gradient is None:
-        return None
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            _scale_tensor(gradient.values, scale, divide=True),
-            gradient.indices,
-            gradient.dense_shape,
+# Gradients up to this many elements are batched with others of the same dtype
+# and trailing shape: one concat + one op replaces one op per gradient, which
+# matters for models with hundreds of small variables. Larger ones are handled
+# alone, where a copy would cost more than the op it saves.
+_BATCH_MAX_ELEMENTS = 1 << 16
+
+
+def _batches(tensors) -> List[List[int]]:
+    """Groups the indices of `tensors` that can be concatenated on axis 0."""
+    groups = {}
+    for index, tensor in enumerate(tensors):
+        shape = tensor.shape
+        batchable = (
+            shape.rank is not None
+            and shape.rank >= 1
+            and shape[1:].is_fully_defined()
+            and shape[0] is not None
+            and shape.num_elements() <= _BATCH_MAX_ELEMENTS
         )
-    return _scale_tensor(gradient, scale, divide=True)
+        key = (tensor.dtype, tuple(shape[1:])) if batchable else index
+        groups.setdefault(key, []).append(index)
+    return list(groups.values())
+
+
+def _concat(tensors) -> tf.Tensor:
+    return tensors[0] if len(tensors) == 1 else tf.concat(tensors, axis=0)
+
+
+def _unscale_gradients(gradients, scale: tf.Tensor, keep=()) -> List:
+    """Divides every gradient by `scale` (None stays None; `keep` indices too).
+
+    Sparse gradients are divided on their values and stay sparse.
+    """
+    gradients = list(gradients)
+    positions, values = [], []
+    for index, g in enumerate(gradients):
+        if g is not None and index not in keep:
+            positions.append(index)
+            values.append(g.values if isinstance(g, tf.IndexedSlices) else g)
+    for batch in _batches(values):
+        parts = [values[i] for i in batch]
+        divided = _scale_tensor(_concat(parts), scale, divide=True)
+        if len(parts) > 1:
+            sizes = [part.shape[0] for part in parts]
+            divided = tf.split(divided, sizes, axis=0)
+        else:
+            divided = [divided]
+        for i, value in zip(batch, divided):
+            g = gradients[positions[i]]
+            gradients[positions[i]] = (
+                tf.IndexedSlices(value, g.indices, g.dense_shape)
+                if isinstance(g, tf.IndexedSlices)
+                else value
+            )
+    return gradients
+
+
+def _is_finite_sum(tensor) -> tf.Tensor:
+    # An inf or NaN anywhere makes the sum non-finite. Low-precision values
+    # are summed in float32 so that a large finite gradient does not overflow.
+    if tensor.dtype in _FLOAT16_TYPES:
+        tensor = tf.cast(tensor, tf.float32)
+    return tf.math.is_finite(tf.reduce_sum(tensor))
+
+
+def _gradient_values(gradients) -> List[tf.Tensor]:
+    return [
+        g.values if isinstance(g, tf.IndexedSlices) else g
+        for g in gradients
+        if g is not None
+    ]
+
+
+def _all_finite(gradients) -> tf.Tensor:
+    """True when no gradient holds an inf or NaN.
+
+    One reduction per batch of small gradients (and per large one). A
+    gradient whose elements add up beyond the float32 range (about 3.4e38)
+    counts as non-finite too. Sparse gradients are checked on their values.
+    """
+    values = _gradient_values(gradients)
+    flags = [
+        _is_finite_sum(_concat([values[i] for i in batch]))
+        for batch in _batches(values)
+    ]
+    if not flags:
+        return tf.constant(True)
+    return flags[0] if len(flags) == 1 else tf.reduce_all(tf.stack(flags))
 
 
 def _finite_per_gradient(gradients) -> tf.Tensor:
-    """A bool vector: whether each gradient is free of inf and NaN.
-
-    One reduction per gradient: an inf or NaN anywhere makes its sum
-    non-finite (a finite gradient whose elements add up beyond the float32
-    range, about 3.4e38, counts as non-finite too). `None` gradients count as
-    finite; sparse gradients are checked on their values, kept sparse.
-    """
-    sums = []
-    for g in gradients:
-        if g is None:
-            sums.append(tf.constant(0.0))
-            continue
-        values = g.values if isinstance(g, tf.IndexedSlices) else g
-        if values.dtype in _FLOAT16_TYPES:
-            values = tf.cast(values, tf.float32)  # sum without overflowing
-        sums.append(tf.cast(tf.reduce_sum(values), tf.float32))
-    if not sums:
-        return tf.ones([0], tf.bool)
-    return tf.math.is_finite(tf.stack(sums))
+    """A bool vector: whether each gradient is free of inf and NaN (None is)."""
+    flags = [
+        tf.constant(True)
+        if g is None
+        else _is_finite_sum(g.values if isinstance(g, tf.IndexedSlices) else g)
+        for g in gradients
+    ]
+    return tf.stack(flags) if flags else tf.ones([0], tf.bool)
 
 
 def _in_xla_context() -> bool:
@@ -477,6 +590,16 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
     def variables(self):
         return self._variables + self._inner_optimizer.variables
 
+    @property
+    def learning_rate(self):
+        """The inner optimizer's learning rate (read and assign)."""
+        return self._inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        _check_learning_rate(value)
+        self._inner_optimizer.learning_rate = value
+
     # --- Scaling ------------------------------------------------------------
 
     def get_scaled_loss(
@@ -519,13 +642,13 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         Raises:
             TypeError: `grads` is not an iterable of gradients.
         """
-        if isinstance(grads, (tf.Tensor, tf.IndexedSlices)) or not isinstance(
-            grads, Iterable
-        ):
+        if isinstance(
+            grads, (tf.Tensor, tf.IndexedSlices, str, bytes, Mapping)
+        ) or not isinstance(grads, Iterable):
             raise TypeError(
                 "'grads' must be a list of gradients (tensors, IndexedSlices or "
                 f"None), such as tape.gradient(...)'s result. Received: "
-                f"grads={grads!r}"
+                f"grads={_describe(grads)}"
             )
         grads = list(grads)
         for index, gradient in enumerate(grads):
@@ -533,8 +656,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                 gradient, tf.IndexedSlices
             ):
                 grads[index] = _floating_tensor(gradient, f"grads[{index}]")
-        scale = self.loss_scale
-        unscaled = [_unscale_gradient(g, scale) for g in grads]
+        unscaled = _unscale_gradients(grads, self.loss_scale)
         self._set_protocol(_UNSCALED)
         return unscaled
 
@@ -630,14 +752,17 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             scale = self.loss_scale
             if scaled is not True:
                 scale = tf.where(scaled, scale, tf.ones_like(scale))
-            grads = [
-                g
-                if self._overwrite_variable_with_gradient(v)
-                else _unscale_gradient(g, scale)
-                for g, v in zip(grads, variables)
-            ]
+            keep = {
+                index
+                for index, variable in enumerate(variables)
+                if self._overwrite_variable_with_gradient(variable)
+            }
+            grads = _unscale_gradients(grads, scale, keep)
         # The gradients are the same on every replica now, and so is this.
-        finite_per_gradient = _finite_per_gradient(grads)
+        finite = _all_finite(grads)
+        finite_per_gradient = (
+            _finite_per_gradient(grads) if self._record_nonfinite else None
+        )
         if distributed and not (
             tf.__internal__.distribute.strategy_supports_no_merge_call()
         ):
@@ -645,10 +770,9 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             # apply does) must run in cross-replica context.
             replica_context.merge_call(
                 self._cross_replica_step,
-                args=(grads, variables, finite_per_gradient),
+                args=(grads, variables, finite, finite_per_gradient),
             )
             return
-        finite = tf.reduce_all(finite_per_gradient)
         tf.cond(
             finite,
             lambda: self._inner_apply(grads, variables, distributed),
@@ -657,13 +781,16 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         self._after_step(finite, finite_per_gradient)
 
     def _cross_replica_step(
-        self, distribution, grads, variables, finite_per_gradient
+        self, distribution, grads, variables, finite, finite_per_gradient
     ):
-        local_flags = distribution.experimental_local_results(
-            finite_per_gradient
+        # Every replica decided on the same summed gradients; AND them anyway.
+        finite = tf.reduce_all(
+            tf.stack(distribution.experimental_local_results(finite))
         )
-        finite_per_gradient = tf.reduce_all(tf.stack(local_flags), axis=0)
-        finite = tf.reduce_all(finite_per_gradient)
+        if finite_per_gradient is not None:
+            finite_per_gradient = distribution.experimental_local_results(
+                finite_per_gradient
+            )[0]
 
         def apply_on_every_replica():
             distribution.extended.call_for_each_replica(
@@ -697,7 +824,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         self._skipped.assign_add(skipped)
         in_a_row = (self._skipped_in_a_row + skipped) * skipped
         self._skipped_in_a_row.assign(in_a_row)
-        if self._record_nonfinite and self._nonfinite_mask is not None:
+        if finite_per_gradient is not None and self._nonfinite_mask is not None:
             self._nonfinite_mask.assign(
                 tf.where(
                     finite,
@@ -781,18 +908,42 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
 _keras_compile = _keras_trainer.Trainer.compile
 
 
+def _computes_in_float16(model) -> Optional[bool]:
+    """Whether any layer of `model` computes in float16 (None: no layers)."""
+    layers = [
+        layer
+        for layer in model._flatten_layers(include_self=False)
+        if not isinstance(layer, keras.layers.InputLayer)
+    ]
+    if not layers:
+        return None
+    return any(
+        getattr(layer.dtype_policy, "compute_dtype", None) == "float16"
+        for layer in layers
+    )
+
+
 @functools.wraps(_keras_compile)
 def _compile_with_kmp_loss_scaling(self, optimizer="rmsprop", *args, **kwargs):
     _keras_compile(self, optimizer, *args, **kwargs)
     chosen = getattr(self, "optimizer", None)
-    if type(chosen) is _KerasLossScaleOptimizer and chosen is not optimizer:
-        # Keras wrapped the user's optimizer by itself; wrap it in kmp's instead
-        # and record that in the compile config, so a saved model restores it
-        # (scale and counter included) whatever the policy at load time.
-        self.optimizer = LossScaleOptimizer(
-            chosen.inner_optimizer, name=chosen.name
-        )
-        self._compile_config.config["optimizer"] = self.optimizer
+    if type(chosen) is not _KerasLossScaleOptimizer or chosen is optimizer:
+        return
+    # Keras wrapped the user's optimizer by itself, because the model was
+    # created under mixed_float16.
+    if _computes_in_float16(self) is False:
+        # No layer computes in float16 (a float32 model loaded while the
+        # global policy is mixed_float16): no loss scaling, and the saved
+        # optimizer state still fits.
+        self.optimizer = chosen.inner_optimizer
+        return
+    # Wrap in kmp's optimizer instead, and record it in the compile config,
+    # so a saved model restores it (scale and counter included) whatever the
+    # global policy at load time.
+    self.optimizer = LossScaleOptimizer(
+        chosen.inner_optimizer, name=chosen.name
+    )
+    self._compile_config.config["optimizer"] = self.optimizer
 
 
 _keras_trainer.Trainer.compile = _compile_with_kmp_loss_scaling

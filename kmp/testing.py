@@ -13,7 +13,16 @@ can check that the step is skipped and that training recovers:
 
 Both are plain TensorFlow ops with no Python branching on values, so they run
 eagerly, inside `tf.function`, with `jit_compile=True`, and in every replica of
-a `tf.distribute` strategy.
+a `tf.distribute` strategy. In a custom loop:
+
+    faults = GradientFaults({3: ("inf", [0])}, replica=1)
+    ...
+    grads = optimizer.get_unscaled_gradients(scaled_grads)
+    grads = faults(grads, step)          # step: your own counter
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+In `model.fit`, do the same in an overridden `train_step`, between
+`tape.gradient(...)` and `self.optimizer.apply_gradients(...)`.
 """
 
 import math
@@ -38,24 +47,24 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_step(step, argument: str) -> int:
-    if not _is_int(step):
+def _check_index(value, argument: str, what: str = "step index") -> int:
+    if not _is_int(value):
         raise TypeError(
-            f"'{argument}' must be a non-negative integer step index. "
-            f"Received: {argument}={step!r} of type {type(step).__name__}"
+            f"'{argument}' must be a non-negative integer {what}. "
+            f"Received: {argument}={value!r} of type {type(value).__name__}"
         )
-    if step < 0:
+    if value < 0:
         raise ValueError(
-            f"'{argument}' must be a non-negative integer step index. "
-            f"Received: {argument}={step!r}"
+            f"'{argument}' must be a non-negative integer {what}. "
+            f"Received: {argument}={value!r}"
         )
-    return int(step)
+    return int(value)
 
 
 def _check_replica(replica) -> Optional[int]:
     if replica is None:
         return None
-    return _check_step(replica, "replica")
+    return _check_index(replica, "replica", "replica id")
 
 
 def _replica_matches(replica: Optional[int]):
@@ -124,7 +133,7 @@ class GradientFaults:
             )
         checked = {}
         for step, fault in schedule.items():
-            step = _check_step(step, "schedule step")
+            step = _check_index(step, "schedule step")
             if not isinstance(fault, (tuple, list)) or len(fault) != 2:
                 raise TypeError(
                     "Each schedule entry must be a pair (kind, [gradient "
@@ -146,7 +155,8 @@ class GradientFaults:
                     f"{step}"
                 )
             indices = tuple(
-                _check_step(index, "gradient index") for index in indices
+                _check_index(index, "gradient index", "position in the list")
+                for index in indices
             )
             checked[step] = (kind, indices)
         self._schedule = checked
@@ -253,7 +263,7 @@ class OverflowAt(keras.layers.Layer):
                 "'steps' must be a step index or a list of them. Received: "
                 f"steps={steps!r} of type {type(steps).__name__}"
             )
-        steps = sorted({_check_step(step, "steps") for step in steps})
+        steps = sorted({_check_index(step, "steps") for step in steps})
         if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
             raise TypeError(
                 "'factor' must be a number. Received: "
@@ -296,10 +306,13 @@ class OverflowAt(keras.layers.Layer):
             _replica_matches(self._replica),
             tf.reduce_any(tf.equal(calls, tf.constant(self._steps, tf.int64))),
         )
-        # Multiplying in the compute dtype is the point: float16 overflows.
-        scaled = inputs * tf.cast(self._factor, inputs.dtype)
+        # The multiplier is chosen first (not tf.where on the two results),
+        # so the other steps' gradients never meet 0 * inf. Multiplying in
+        # the compute dtype is the point: float16 overflows.
+        factor = tf.cast(self._factor, inputs.dtype)
+        multiplier = tf.where(now, factor, tf.ones_like(factor))
         self.calls.assign_add(1)
-        return tf.where(now, scaled, inputs)
+        return inputs * multiplier
 
     def compute_output_shape(self, input_shape):
         return input_shape

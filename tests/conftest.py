@@ -35,9 +35,13 @@ def _restore_global_state():
     keras.backend.clear_session(free_memory=False)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def two_replicas():
-    """A MirroredStrategy over the two logical CPUs."""
+    """A MirroredStrategy over the two logical CPUs, one for the session.
+
+    TensorFlow caches collective-op instances per process by key, and a new
+    strategy would reuse keys an earlier one used with other shapes.
+    """
     return tf.distribute.MirroredStrategy(CPU_DEVICES)
 
 

@@ -1,0 +1,417 @@
+"""
+Title: Porting to kmp
+Description: From tf.keras.mixed_precision and Keras 3's LossScaleOptimizer.
+
+Code written for `tf.keras.mixed_precision` ports to kmp by find-and-replace:
+kmp keeps Keras 2's names, arguments and custom-loop recipe. Code written for
+Keras 3 keeps running once kmp is imported, and its calls can be switched over
+one by one: kmp's policies are Keras 3 policies, and its optimizer also
+accepts Keras 3's `scale_loss` recipe. The one thing such code may notice is
+that `compile` under "mixed_float16" now gives kmp's optimizer, whose scale
+is read as `loss_scale` rather than Keras 3's `dynamic_scale`.
+
+## Names side by side
+
+Keras 2:                 Keras 3:                      kmp:
+tf.keras.mixed_precision keras.                        kmp.
+------------------------ ----------------------------- ------------------------
+Policy(name)             DTypePolicy(name) (1)         Policy(name)
+set_global_policy(p)     config.set_dtype_policy(p)(1) set_global_policy(p)
+global_policy()          config.dtype_policy() (1)     global_policy()
+policy_scope(p) (2)      none (3)                      policy_scope(p)
+LossScaleOptimizer(      optimizers.                   LossScaleOptimizer(
+                         LossScaleOptimizer(
+  inner_optimizer,         inner_optimizer,              inner_optimizer,
+  dynamic=True,            none: always dynamic (4)      dynamic=True,
+  initial_scale=2**15,     initial_scale=2**15,          initial_scale=2**15,
+  dynamic_growth_steps=    dynamic_growth_steps=         dynamic_growth_steps=
+    2000)                    2000)                         2000)
+fixed scale:             none; the inner optimizer's   fixed scale:
+  dynamic=False,           loss_scale_factor=128,        dynamic=False,
+  initial_scale=128        which never skips a step (4)  initial_scale=128
+.loss_scale              .dynamic_scale (5)            .loss_scale
+.dynamic_counter         .step_counter (5)             .dynamic_counter
+.dynamic                 none                          .dynamic
+.inner_optimizer         .inner_optimizer              .inner_optimizer
+.initial_scale           .initial_scale                .initial_scale
+.dynamic_growth_steps    .dynamic_growth_steps         .dynamic_growth_steps
+.iterations              .iterations                   .iterations
+.get_scaled_loss(loss)   gone: .scale_loss(loss)       .get_scaled_loss(loss),
+                                                       also .scale_loss(loss)
+.get_unscaled_gradients  gone: .apply_gradients        .get_unscaled_gradients
+  (grads)                  unscales by itself (6)        (grads)
+none                     none                          .skipped_steps
+
+(1) Also under `keras.mixed_precision` as `Policy`, `set_global_policy` and
+    `global_policy`.
+(2) An internal helper in Keras 2, not exported by `tf.keras.mixed_precision`.
+(3) Set the policy with `keras.config.set_dtype_policy` and restore it
+    yourself in a `try`/`finally`.
+(4) `LossScaleOptimizer(..., dynamic=False)` raises a ValueError that points
+    to the inner optimizer's `loss_scale_factor`.
+(5) Variables that exist only once the optimizer is built.
+(6) So Keras 3's `apply_gradients` must receive scaled gradients. kmp's
+    receives true (unscaled) gradients, except the gradients of a
+    `scale_loss(...)` made in the same step, which it unscales itself.
+
+`from kmp import mixed_precision` gives kmp's five names under one module, as a
+drop-in for `tf.keras.mixed_precision`.
+
+## Behaviours that differ
+
+Each one is run below, against the installed Keras 3.
+
+1. The global policy is process-wide in kmp, as it was in Keras 2; Keras 3
+   keeps it per thread, so a layer built in another thread gets float32.
+2. Under "mixed_float16", `compile(optimizer="adam")` wraps the optimizer in
+   kmp's LossScaleOptimizer and records it, so a saved model comes back with
+   its loss scale whatever the policy at load time. Keras 3 records only the
+   plain optimizer: loaded under float32, the model gets a bare Adam and all
+   the optimizer's saved variables are dropped.
+3. A fixed loss scale exists in kmp and skips non-finite steps; Keras 3 has
+   none, and its `loss_scale_factor` lets inf reach the weights.
+4. A skipped step leaves `iterations` unchanged in kmp. Keras 3 does the same;
+   Keras 2 counted skipped steps in `iterations` (checked with tf_keras 2.21).
+   kmp also counts skipped steps in `skipped_steps`.
+5. kmp's scale never goes below 1 and never doubles to inf (like Keras 2).
+   Keras 3 halves without a floor, down to 0, after which the next step writes
+   NaN into the weights; and it doubles past the largest float32 to inf.
+6. Under `tf.distribute`, kmp decides whether to skip a step after summing
+   the gradients across replicas (as Keras 2 did), so all replicas agree and
+   an inf on any replica skips the step. Keras 3 looks only at replica 0's
+   gradients, before they are summed, so an inf on another replica reaches the
+   weights.
+
+Run it with `python guides/porting.py`; it takes a few seconds (it has no
+large sizes, so unlike the other guide it ignores `KMP_GUIDE_SMALL`).
+"""
+
+# ## Setup
+#
+# The distributed example at the end needs two devices, so the CPU is split
+# into two logical devices before TensorFlow starts. kmp is not imported yet:
+# the first section looks at Keras 3 on its own, because importing kmp changes
+# two of its behaviours.
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import warnings  # noqa: E402
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    _cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+)
+
+import keras  # noqa: E402
+
+KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
+keras.utils.set_random_seed(2)
+# Removed when the guide exits.
+workdir = tempfile.TemporaryDirectory(prefix="kmp_porting_")
+
+
+def policy_in_new_thread() -> str:
+    """The policy a layer gets when it is built in another thread."""
+    seen = []
+    thread = threading.Thread(
+        target=lambda: seen.append(keras.layers.Dense(1).dtype_policy.name)
+    )
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+def scale_of(optimizer):
+    """The current loss scale of a kmp or Keras 3 optimizer, or None."""
+    if hasattr(optimizer, "loss_scale"):  # kmp
+        return float(optimizer.loss_scale)
+    if getattr(optimizer, "dynamic_scale", None) is not None:  # Keras 3
+        return float(optimizer.dynamic_scale)
+    return None
+
+
+def describe(optimizer) -> str:
+    kind = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
+    scale = scale_of(optimizer)
+    return kind + ("" if scale is None else f", scale {scale:g}")
+
+
+def fit_save_and_load(set_policy, path: str) -> None:
+    """compile("adam") under mixed_float16, fit, save, load under float32."""
+    set_policy("mixed_float16")
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8),
+            keras.layers.Dense(1, dtype="float32"),
+        ]
+    )
+    model.compile(optimizer="adam", loss="mse")
+    # Targets of 1000 overflow float16 at the first scale, 2**15: those steps
+    # are skipped and the scale comes down to one that fits this model.
+    x, y = np.ones((32, 4), "float32"), np.full((32, 1), 1000.0, "float32")
+    model.fit(x, y, batch_size=8, verbose=0)
+    print("  trained with:", describe(model.optimizer))
+    model.save(path)
+    # A fresh process that loads the model for more training starts at the
+    # default policy, float32.
+    set_policy("float32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = keras.saving.load_model(path)
+    print("  loaded as:   ", describe(loaded.optimizer))
+    for warning in caught:
+        print("  warning:", str(warning.message).split(",")[0])
+
+
+# ## Keras 3 on its own
+#
+# 1. The global policy is stored per thread. MirroredStrategy runs each
+#    replica in its own thread, and a data pipeline or a server may build
+#    layers in a worker thread: there the policy silently falls back to
+#    float32.
+
+keras.config.set_dtype_policy("mixed_float16")
+print("Keras 3: main thread:", keras.layers.Dense(1).dtype_policy.name)
+print("Keras 3: new thread: ", policy_in_new_thread())
+keras.config.set_dtype_policy("float32")
+
+# 2. compile("adam") under mixed_float16 wraps Adam in Keras 3's own loss
+#    scale optimizer, but the saved compile config names only "adam". Loaded
+#    under float32, the model gets a bare Adam and Keras drops every saved
+#    optimizer variable (the scale, and Adam's moments too).
+
+print("Keras 3: compile('adam') under mixed_float16, save, load:")
+fit_save_and_load(keras.config.set_dtype_policy, f"{workdir.name}/keras3.keras")
+
+# ## With kmp imported
+#
+# The same two snippets, after `import kmp`. Keras's own
+# `keras.config.set_dtype_policy` now sets the process-wide policy too.
+
+import kmp  # noqa: E402
+
+kmp.set_global_policy("mixed_float16")
+print("kmp: main thread:", keras.layers.Dense(1).dtype_policy.name)
+print("kmp: new thread: ", policy_in_new_thread())
+kmp.set_global_policy(None)
+
+print("kmp: compile('adam') under mixed_float16, save, load:")
+fit_save_and_load(kmp.set_global_policy, f"{workdir.name}/kmp.keras")
+kmp.set_global_policy(None)
+
+# ## Same names as Keras 2
+#
+# Keras 2 code needs only its import changed:
+#
+#     from tensorflow.keras import mixed_precision   # before
+#     from kmp import mixed_precision                # after
+
+from kmp import mixed_precision  # noqa: E402
+
+mixed_precision.set_global_policy(mixed_precision.Policy("mixed_float16"))
+print("global policy:", mixed_precision.global_policy())
+optimizer = mixed_precision.LossScaleOptimizer(
+    keras.optimizers.SGD(0.1),
+    dynamic=True,
+    initial_scale=1024,
+    dynamic_growth_steps=100,
+)
+print(
+    "kmp properties: loss_scale",
+    float(optimizer.loss_scale),
+    "dynamic_counter",
+    int(optimizer.dynamic_counter),
+    "dynamic",
+    optimizer.dynamic,
+    "initial_scale",
+    optimizer.initial_scale,
+    "dynamic_growth_steps",
+    optimizer.dynamic_growth_steps,
+    "inner_optimizer",
+    type(optimizer.inner_optimizer).__name__,
+)
+mixed_precision.set_global_policy(None)
+
+keras_optimizer = KerasLossScaleOptimizer(
+    keras.optimizers.SGD(0.1), initial_scale=1024
+)
+print(
+    "Keras 3 has loss_scale / dynamic_counter / get_scaled_loss:",
+    hasattr(keras_optimizer, "loss_scale"),
+    hasattr(keras_optimizer, "dynamic_counter"),
+    hasattr(keras_optimizer, "get_scaled_loss"),
+)
+keras_optimizer.build([keras.Variable(1.0)])
+print(
+    "Keras 3 after build(): dynamic_scale",
+    float(keras_optimizer.dynamic_scale),
+    "step_counter",
+    int(keras_optimizer.step_counter),
+)
+
+# ## 3. A fixed loss scale
+#
+# Keras 3 refuses `dynamic=False` and points to the inner optimizer's
+# `loss_scale_factor`. That scales and unscales, but checks nothing: an inf
+# gradient goes straight into the weights. kmp's fixed scale skips the step.
+
+try:
+    KerasLossScaleOptimizer(keras.optimizers.SGD(0.1), dynamic=False)
+except ValueError as error:
+    print("Keras 3, dynamic=False:", error)
+
+overflow = tf.constant([np.inf, 128.0])  # a scaled gradient that overflowed
+weight = keras.Variable(np.ones(2, "float32"))
+factor = keras.optimizers.SGD(0.1, loss_scale_factor=128)
+factor.apply_gradients([(overflow, weight)])
+print("Keras 3, loss_scale_factor=128, after an inf step:", weight.numpy())
+
+weight = keras.Variable(np.ones(2, "float32"))
+fixed = kmp.LossScaleOptimizer(
+    keras.optimizers.SGD(0.1), dynamic=False, initial_scale=128
+)
+fixed.apply_gradients(zip(fixed.get_unscaled_gradients([overflow]), [weight]))
+print(
+    "kmp, dynamic=False, initial_scale=128, after an inf step:",
+    weight.numpy(),
+    "skipped:",
+    int(fixed.skipped_steps),
+)
+
+# ## Custom loops: both recipes work with kmp
+#
+# Keras 2's recipe (get_scaled_loss, then get_unscaled_gradients, then
+# apply_gradients with true gradients) and Keras 3's (scale_loss, then
+# apply_gradients with the scaled gradients, which it unscales) give the same
+# step with kmp. Mind one difference: Keras 3's `apply_gradients` always
+# divides by the scale, while kmp's divides only gradients that came from
+# `scale_loss`, so gradients you compute yourself are applied as they are.
+
+
+def one_step(optimizer, recipe: str) -> np.ndarray:
+    weight = keras.Variable(np.array([0.5, -2.0], "float32"))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(weight**2)
+        if recipe == "keras2":
+            loss = optimizer.get_scaled_loss(loss)
+        else:
+            loss = optimizer.scale_loss(loss)
+    grads = tape.gradient(loss, [weight])
+    if recipe == "keras2":
+        grads = optimizer.get_unscaled_gradients(grads)
+    optimizer.apply_gradients(zip(grads, [weight]))
+    return weight.numpy()
+
+
+for name, optimizer_class, recipe in (
+    ("Keras 3 optimizer, Keras 3 recipe", KerasLossScaleOptimizer, "keras3"),
+    ("kmp optimizer, Keras 2 recipe    ", kmp.LossScaleOptimizer, "keras2"),
+    ("kmp optimizer, Keras 3 recipe    ", kmp.LossScaleOptimizer, "keras3"),
+):
+    optimizer = optimizer_class(keras.optimizers.SGD(0.1))
+    print(f"{name}: weights after one step {one_step(optimizer, recipe)}")
+
+# ## 4. Skipped steps and `iterations`
+#
+# One finite step, then one with an inf gradient. Both Keras 3 and kmp skip
+# the second step and leave `iterations` at 1 (Keras 2 moved it to 2). kmp
+# also keeps count of the skipped steps.
+
+BOTH = (("Keras 3", KerasLossScaleOptimizer), ("kmp", kmp.LossScaleOptimizer))
+nan_step = tf.constant([np.nan, 1.0])
+finite_step = tf.constant([1.0, 1.0])
+for name, optimizer_class in BOTH:
+    optimizer = optimizer_class(keras.optimizers.SGD())
+    weight = keras.Variable(np.ones(2, "float32"))
+    optimizer.apply_gradients([(finite_step, weight)])
+    optimizer.apply_gradients([(nan_step, weight)])
+    print(
+        f"{name}: iterations after 1 finite and 1 skipped step: "
+        f"{int(optimizer.iterations)}"
+    )
+print("kmp: skipped_steps:", int(optimizer.skipped_steps))
+
+# ## 5. Where the scale can go
+#
+# A stretch of non-finite steps (a bad batch of data, a model that diverged
+# for a while) halves the scale again and again. kmp stops at 1. Keras 3 goes
+# on until the scale is 0 in float32 (after about 150 halvings, depending on
+# whether the hardware keeps subnormal numbers). The next scaled loss is then
+# 0, its gradients are 0, and dividing them by the scale gives NaN, which
+# passes Keras 3's check (made before the division) and lands in the weights.
+
+for name, optimizer_class in BOTH:
+    optimizer = optimizer_class(keras.optimizers.SGD(0.1))
+    weight = keras.Variable(np.ones(2, "float32"))
+    for _ in range(200):
+        optimizer.apply_gradients([(nan_step, weight)])
+    print(f"{name}: scale after 200 NaN steps: {scale_of(optimizer):g}")
+    with tf.GradientTape() as tape:
+        scaled_loss = optimizer.scale_loss(tf.reduce_sum(weight**2))
+    grads = tape.gradient(scaled_loss, [weight])
+    optimizer.apply_gradients(zip(grads, [weight]))
+    print(f"{name}: weights after the next, healthy step: {weight.numpy()}")
+
+# Growing has the opposite edge: with a model whose gradients never overflow,
+# the scale doubles every `dynamic_growth_steps`. Keras 3 doubles past the
+# largest float32 to inf, and an infinite scale makes every later step
+# overflow (inf / 2 is still inf); kmp stays at the largest power of two.
+
+for name, optimizer_class in BOTH:
+    optimizer = optimizer_class(
+        keras.optimizers.SGD(0.0),
+        initial_scale=2.0**126,
+        dynamic_growth_steps=1,
+    )
+    weight = keras.Variable(np.ones(2, "float32"))
+    scales = []
+    for _ in range(3):
+        optimizer.apply_gradients([(finite_step, weight)])
+        scales.append(f"{scale_of(optimizer):.4g}")
+    print(f"{name}: scale after 1, 2, 3 growth steps:", ", ".join(scales))
+
+# ## 6. Skipping under tf.distribute
+#
+# Two replicas, one step; replica 0's gradient is finite and replica 1's has
+# an inf. Keras 3 checks replica 0's gradients before they are summed, applies
+# the step, and the sum (with its inf) reaches the weight. kmp sums first,
+# checks the sum, and every replica skips the step together.
+
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+per_replica = strategy.experimental_distribute_values_from_function(
+    lambda context: tf.constant(
+        [[1.0, 1.0], [np.inf, 1.0]][context.replica_id_in_sync_group]
+    )
+)
+
+
+def distributed_step(optimizer, weight, gradient) -> None:
+    @tf.function
+    def step(gradient):
+        strategy.run(
+            lambda g: optimizer.apply_gradients([(g, weight)]), (gradient,)
+        )
+
+    step(gradient)
+
+
+for name, optimizer_class in BOTH:
+    with strategy.scope():
+        weight = keras.Variable(np.ones(2, "float32"))
+        optimizer = optimizer_class(
+            keras.optimizers.SGD(0.1), initial_scale=1.0
+        )
+        optimizer.build([weight])
+    distributed_step(optimizer, weight, per_replica)
+    print(
+        f"{name}: weight after a step with an inf on replica 1: "
+        f"{weight.numpy()}"
+    )

@@ -1,0 +1,462 @@
+"""kmp.LossScaleOptimizer under tf.distribute: every replica skips together.
+
+MirroredStrategy runs on the two logical CPUs from conftest.py;
+MultiWorkerMirroredStrategy runs two worker processes on 127.0.0.1. A fault
+is injected on one replica (or one worker) only: all-reducing the gradients
+spreads the inf/NaN to every replica, and the step must be skipped on all of
+them, with the scale and counter identical everywhere.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import _reliability as rel
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import CPU_DEVICES
+
+import kmp
+from kmp.testing import GradientFaults
+
+# A two-replica run all-reduces two half-batch gradient sums where the single
+# device sums the whole batch at once, so the results may differ in the last
+# bits: relative 1e-7 per step in float32, and about 1e-3 (float16's
+# epsilon) for the float16 parts of a mixed_float16 model. Over these few SGD
+# steps (learning rate 0.05, weights of order 1) that stays below the bounds
+# below, while one wrongly applied, skipped or doubled step moves a weight by
+# about 1e-2.
+SINGLE_DEVICE_ATOL = {"float32": 1e-5, "mixed_float16": 5e-4}
+
+
+def _assert_replicas_agree(state):
+    for path, values in state.items():
+        for value in values[1:]:
+            assert value.tobytes() == values[0].tobytes(), path
+
+
+def _scale_state(optimizer):
+    return (
+        float(optimizer.loss_scale),
+        int(optimizer.dynamic_counter),
+        int(np.array(optimizer.iterations)),
+        int(optimizer.skipped_steps),
+    )
+
+
+def _expected_scale_states(schedule_steps, steps, initial=16.0, growth=2):
+    """(scale, counter, iterations, skipped) after each step, by the rule."""
+    scale, counter, iterations, skipped, states = initial, 0, 0, 0, []
+    for step in range(steps):
+        if step in schedule_steps:
+            scale, counter, skipped = max(scale / 2, 1.0), 0, skipped + 1
+        elif counter + 1 >= growth:
+            scale, counter, iterations = scale * 2, 0, iterations + 1
+        else:
+            counter, iterations = counter + 1, iterations + 1
+        states.append((scale, counter, iterations, skipped))
+    return states
+
+
+# --- Custom loop --------------------------------------------------------------
+
+
+def _custom_loop_run(strategy, faults, steps):
+    """Trains `steps` steps in a custom loop; returns per-step snapshots."""
+    x, y = rel.make_data()
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential(rel.make_layers())
+        optimizer = rel.make_optimizer()
+        optimizer.build(model.trainable_variables)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(rel.GLOBAL_BATCH)
+    iterator = iter(strategy.experimental_distribute_dataset(dataset))
+
+    def replica_step(x_batch, y_batch, step):
+        with tf.GradientTape() as tape:
+            error = model(x_batch, training=True) - y_batch
+            # Sum over the replica's rows, divide by the *global* batch: the
+            # all-reduced (summed) gradient is then the global mean's.
+            loss = tf.reduce_sum(tf.square(error)) / rel.GLOBAL_BATCH
+            scaled_loss = optimizer.get_scaled_loss(loss)
+        scaled = tape.gradient(scaled_loss, model.trainable_variables)
+        grads = optimizer.get_unscaled_gradients(scaled)
+        grads = faults(grads, step)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    @tf.function
+    def train_step(batch, step):
+        strategy.run(replica_step, args=(*batch, step))
+
+    states = [rel.snapshot(model, optimizer, strategy)]
+    scales = []
+    for step in range(steps):
+        train_step(next(iterator), tf.constant(step, tf.int64))
+        states.append(rel.snapshot(model, optimizer, strategy))
+        scales.append(_scale_state(optimizer))
+    return model, states, scales
+
+
+def _assert_match_single_device(model_2, model_1, strategy, policy):
+    atol = SINGLE_DEVICE_ATOL[policy]
+    for w2, w1 in zip(model_2.trainable_weights, model_1.trainable_weights):
+        for replica_value in rel.local_values(w2, strategy):
+            np.testing.assert_allclose(
+                replica_value, np.array(w1), rtol=0, atol=atol
+            )
+
+
+def _assert_skipped_exactly(states, bad_steps):
+    """Walks the per-step snapshots: frozen on `bad_steps`, moving elsewhere."""
+    for step in range(len(states) - 1):
+        before, after = states[step], states[step + 1]
+        _assert_replicas_agree(after)
+        changed = rel.split_changed(rel.frozen(before), rel.frozen(after))
+        if step in bad_steps:
+            assert changed == [], f"step {step} was not skipped: {changed}"
+        else:
+            assert any("kernel" in p for p in changed), step
+            assert any(p.endswith("momentum") for p in changed), step
+            assert any(p.endswith("sgd/iteration") for p in changed), step
+
+
+@pytest.mark.parametrize("kind", ["inf", "nan"])
+def test_custom_loop_fault_on_one_replica_skips_on_all(two_replicas, kind):
+    schedule = {1: (kind, [0]), 2: (kind, [3])}
+    model, states, scales = _custom_loop_run(
+        two_replicas, GradientFaults(schedule, replica=1), steps=4
+    )
+
+    _assert_skipped_exactly(states, bad_steps={1, 2})
+    assert scales == _expected_scale_states({1, 2}, 4)
+    for weight in model.trainable_weights:
+        assert all(np.isfinite(v).all() for v in rel.local_values(weight))
+    # The same data and faults on one device give the same weights.
+    single_model, _, single_scales = _custom_loop_run(
+        tf.distribute.get_strategy(), GradientFaults(schedule), steps=4
+    )
+    assert scales == single_scales
+    _assert_match_single_device(model, single_model, two_replicas, "float32")
+
+
+def test_apply_gradients_in_cross_replica_context_is_refused(two_replicas):
+    with two_replicas.scope():
+        variable = keras.Variable([1.0])
+        optimizer = rel.make_optimizer()
+        optimizer.build([variable])
+        with pytest.raises(ValueError, match="replica context"):
+            optimizer.apply_gradients([(tf.constant([1.0]), variable)])
+
+
+# --- model.fit ----------------------------------------------------------------
+
+
+class _Record(keras.callbacks.Callback):
+    def __init__(self, strategy):
+        super().__init__()
+        self.strategy = strategy
+        self.states, self.scales = [], []
+
+    def on_train_begin(self, logs=None):
+        self.states.append(
+            rel.snapshot(self.model, self.model.optimizer, self.strategy)
+        )
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.states.append(
+            rel.snapshot(self.model, self.model.optimizer, self.strategy)
+        )
+        self.scales.append(_scale_state(self.model.optimizer))
+
+
+def _fit_run(strategy, faults, policy="float32"):
+    x, y = rel.make_data()
+    keras.utils.set_random_seed(0)
+    with kmp.policy_scope(policy), strategy.scope():
+        model = rel.FaultModel(rel.make_layers(), faults=faults)
+        model.compile(optimizer=rel.make_optimizer(), loss="mse")
+    record = _Record(strategy)
+    model.fit(
+        x,
+        y,
+        batch_size=rel.GLOBAL_BATCH,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[record],
+    )
+    return model, record
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_fit_fault_on_one_replica_skips_on_all(two_replicas, policy):
+    schedule = {1: ("nan", [1]), 2: ("inf", [2])}
+    model, record = _fit_run(
+        two_replicas, GradientFaults(schedule, replica=1), policy
+    )
+
+    assert len(record.states) == 5
+    _assert_skipped_exactly(record.states, bad_steps={1, 2})
+    assert record.scales == _expected_scale_states({1, 2}, 4)
+    # The same data and faults on one device give the same weights.
+    single_model, single_record = _fit_run(
+        tf.distribute.get_strategy(), GradientFaults(schedule), policy
+    )
+    assert record.scales == single_record.scales
+    _assert_match_single_device(model, single_model, two_replicas, policy)
+
+
+# --- Why kmp exists: Keras 3's own optimizer ---------------------------------
+
+
+def test_keras_loss_scale_optimizer_applies_a_one_replica_inf(two_replicas):
+    """Keras 3.15's LossScaleOptimizer checks each replica's gradients before
+    they are summed and trusts replica 0's verdict: an inf on replica 1 alone
+    is applied, and every replica's weights become non-finite. kmp checks
+    after the all-reduce; see the custom-loop tests above for its behaviour
+    in exactly this situation."""
+    x, y = rel.make_data(batches=1)
+    with two_replicas.scope():
+        model = keras.Sequential(rel.make_layers())
+        optimizer = keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.1), initial_scale=16.0
+        )
+        optimizer.build(model.trainable_variables)
+    faults = GradientFaults({0: ("inf", [0])}, replica=1)
+    batch = next(
+        iter(
+            two_replicas.experimental_distribute_dataset(
+                tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+            )
+        )
+    )
+
+    def replica_step(x_batch, y_batch):
+        with tf.GradientTape() as tape:
+            error = model(x_batch, training=True) - y_batch
+            loss = tf.reduce_sum(tf.square(error)) / rel.GLOBAL_BATCH
+            scaled_loss = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled_loss, model.trainable_variables)
+        grads = faults(grads, 0)
+        optimizer.apply(grads, model.trainable_variables)
+
+    tf.function(lambda b: two_replicas.run(replica_step, args=b))(batch)
+
+    kernel = rel.local_values(model.trainable_weights[0], two_replicas)
+    assert all(not np.isfinite(value).all() for value in kernel)
+    assert int(np.array(optimizer.iterations)) == 1  # The step was applied.
+    assert float(np.array(optimizer.dynamic_scale)) == 16.0  # Not lowered.
+
+
+# --- Unsupported strategies ---------------------------------------------------
+
+
+def test_central_storage_strategy_is_refused_at_construction():
+    # TPUStrategy needs a TPU and ParameterServerStrategy a cluster with a
+    # parameter-server task, so neither can be built on a CPU runner; both go
+    # through the same isinstance check in the constructor.
+    strategy = tf.distribute.experimental.CentralStorageStrategy(CPU_DEVICES)
+    inner = keras.optimizers.SGD(0.1)
+    with strategy.scope():
+        with pytest.raises(ValueError, match="CentralStorageStrategy"):
+            kmp.LossScaleOptimizer(inner)
+
+
+# --- MultiWorkerMirroredStrategy: two processes on 127.0.0.1 -----------------
+
+# Each worker trains with a custom loop (inf on worker 1 only, at step 1) and
+# with model.fit (NaN on worker 1 only, at step 2) and prints its state after
+# every step as one JSON line.
+_WORKER_SCRIPT = textwrap.dedent(
+    """
+    import hashlib, json, os, sys
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    sys.path.insert(0, sys.argv[1])
+    import numpy as np
+    import tensorflow as tf
+    import keras
+    import _reliability as rel
+    from kmp.testing import GradientFaults
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    x, y = rel.make_data()
+
+    def dataset():
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.DATA
+        )
+        return data.with_options(options)
+
+    def state(model, optimizer):
+        weights = [np.array(w) for w in model.trainable_weights]
+        return {
+            "weights": rel.digest(weights),
+            "finite": all(bool(np.isfinite(w).all()) for w in weights),
+            "scale": float(optimizer.loss_scale),
+            "counter": int(optimizer.dynamic_counter),
+            "iterations": int(np.array(optimizer.iterations)),
+            "skipped": int(optimizer.skipped_steps),
+        }
+
+    class MultiWorkerFaultModel(rel.FaultModel):
+        def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+            # Keras 3.15 cannot strategy.reduce a distributed (x, y) batch
+            # under MultiWorkerMirroredStrategy; build from a local batch.
+            super()._maybe_symbolic_build(data_batch=(x[:4], y[:4]))
+
+    def make(faults, **kwargs):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = MultiWorkerFaultModel(
+                rel.make_layers(), faults=faults, **kwargs
+            )
+            optimizer = rel.make_optimizer()
+        return model, optimizer
+
+    result = {
+        "task": json.loads(os.environ["TF_CONFIG"])["task"]["index"],
+        "replicas": strategy.num_replicas_in_sync,
+    }
+
+    model, optimizer = make(None)
+    with strategy.scope():
+        optimizer.build(model.trainable_variables)
+    faults = GradientFaults({1: ("inf", [0])}, replica=1)
+
+    def replica_step(x_batch, y_batch, step):
+        with tf.GradientTape() as tape:
+            error = model(x_batch, training=True) - y_batch
+            loss = tf.reduce_sum(tf.square(error)) / 8
+            scaled_loss = optimizer.get_scaled_loss(loss)
+        scaled = tape.gradient(scaled_loss, model.trainable_variables)
+        grads = faults(optimizer.get_unscaled_gradients(scaled), step)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    @tf.function
+    def train_step(batch, step):
+        strategy.run(replica_step, args=(*batch, step))
+
+    iterator = iter(strategy.experimental_distribute_dataset(dataset()))
+    result["custom"] = [state(model, optimizer)]
+    for step in range(4):
+        train_step(next(iterator), tf.constant(step, tf.int64))
+        result["custom"].append(state(model, optimizer))
+
+    # Rank-1 logs: Keras 3.15 reduces scalar logs with axis=0 under MWMS.
+    model, optimizer = make(
+        GradientFaults({2: ("nan", [1])}, replica=1), rank1_logs=True
+    )
+    with strategy.scope():
+        model.compile(optimizer=optimizer, loss="mse")
+    fit_states = [state(model, optimizer)]
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            fit_states.append(state(model, optimizer))
+
+    model.fit(dataset(), epochs=1, verbose=0, callbacks=[Record()])
+    result["fit"] = fit_states
+    print("RESULT " + json.dumps(result), flush=True)
+    """
+)
+
+MULTI_WORKER_TIMEOUT = 120  # seconds, for both workers together
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def worker_processes():
+    """Started worker processes; each is killed (its group) at teardown."""
+    processes = []
+    yield processes
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+
+def test_multi_worker_fault_on_worker_1_skips_on_both(
+    tmp_path, worker_processes
+):
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER_SCRIPT)
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    ports = [_free_port(), _free_port()]
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+    for index in range(2):
+        env = dict(os.environ)
+        env["TF_CONFIG"] = json.dumps(
+            {"cluster": cluster, "task": {"type": "worker", "index": index}}
+        )
+        env["KERAS_BACKEND"] = "tensorflow"
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        with (
+            open(tmp_path / f"worker{index}.out", "w") as out,
+            open(tmp_path / f"worker{index}.err", "w") as err,
+        ):
+            worker_processes.append(
+                subprocess.Popen(
+                    [sys.executable, str(script), tests_dir],
+                    env=env,
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,
+                )
+            )
+    deadline = time.monotonic() + MULTI_WORKER_TIMEOUT
+    while any(p.poll() is None for p in worker_processes):
+        failed = [p for p in worker_processes if p.poll() not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            break  # The fixture kills the other worker.
+        time.sleep(0.2)
+    results = []
+    for index, process in enumerate(worker_processes):
+        out = (tmp_path / f"worker{index}.out").read_text()
+        err = (tmp_path / f"worker{index}.err").read_text()
+        assert process.poll() is not None, (
+            f"worker {index} did not finish in {MULTI_WORKER_TIMEOUT} s:\n"
+            + err[-3000:]
+        )
+        lines = [line for line in out.splitlines() if line.startswith("RESULT")]
+        assert process.returncode == 0 and lines, err[-3000:]
+        results.append(json.loads(lines[-1][len("RESULT ") :]))
+
+    worker_0, worker_1 = results
+    assert (worker_0["task"], worker_1["task"]) == (0, 1)
+    assert worker_0["replicas"] == worker_1["replicas"] == 2
+    # Both workers hold the same state after every step, bit for bit.
+    assert worker_0["custom"] == worker_1["custom"]
+    assert worker_0["fit"] == worker_1["fit"]
+
+    for name, bad_step in (("custom", 1), ("fit", 2)):
+        states = worker_0[name]
+        assert all(state["finite"] for state in states), name
+        for step in range(4):
+            before, after = states[step], states[step + 1]
+            if step == bad_step:
+                assert after["weights"] == before["weights"], name
+                assert after["iterations"] == before["iterations"], name
+                assert after["scale"] == before["scale"] / 2, name
+                assert (after["counter"], after["skipped"]) == (0, 1), name
+            else:
+                assert after["weights"] != before["weights"], (name, step)
+                assert after["iterations"] == before["iterations"] + 1
+        expected = _expected_scale_states({bad_step}, 4)
+        assert [
+            (s["scale"], s["counter"], s["iterations"], s["skipped"])
+            for s in states[1:]
+        ] == expected, name
