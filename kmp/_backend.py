@@ -1,7 +1,7 @@
-"""Imports TensorFlow and Keras, failing early with an error that says what to do.
+"""Imports TensorFlow and Keras, or fails with an error that says what to do.
 
-kmp drives `tf.GradientTape`, `tf.distribute` and Keras's TensorFlow trainer, so it
-needs TensorFlow installed and Keras running on its TensorFlow backend.
+kmp drives `tf.GradientTape`, `tf.distribute` and Keras's TensorFlow trainer,
+so it needs TensorFlow installed and Keras running on its TensorFlow backend.
 """
 
 try:

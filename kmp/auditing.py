@@ -41,10 +41,10 @@ from kmp.conversion import LOW_PRECISION_DTYPES
 from kmp.conversion import _check_graph_model
 from kmp.conversion import _is_floating
 from kmp.conversion import convert
-from kmp.policy import PolicyLike
-from kmp.policy import _to_policy
 from kmp.inspection import _format_table
 from kmp.inspection import _load_model
+from kmp.policy import PolicyLike
+from kmp.policy import _to_policy
 
 # The magnitudes each compute dtype represents: (smallest subnormal, smallest
 # normal, largest finite).

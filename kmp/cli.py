@@ -1,4 +1,4 @@
-"""The `kmp` command line: `kmp bench`, `kmp inspect`, `kmp audit`, `kmp doctor`.
+"""The `kmp` command line: `bench`, `inspect`, `audit` and `doctor`.
 
 Each subcommand lives in its own module, which defines `add_parser(subparsers)`
 registering its arguments and a `run(args) -> int` function as the default
@@ -26,14 +26,8 @@ def build_parser(commands=COMMANDS) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="store_true", help="print version")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module_name in commands.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as error:
-            if error.name != module_name:
-                raise
-            continue
-        module.add_parser(subparsers)
+    for module_name in commands.values():
+        importlib.import_module(module_name).add_parser(subparsers)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""The `tf.keras.mixed_precision` names, as a drop-in: the same objects as `kmp`.
+"""The `tf.keras.mixed_precision` names as a drop-in: the same objects as kmp.
 
 from kmp import mixed_precision
 mixed_precision.set_global_policy("mixed_float16")

@@ -1,20 +1,22 @@
 """`LossScaleOptimizer`: loss scaling for `model.fit` and for custom loops.
 
-It wraps any Keras optimizer and owns three variables: the current scale, the
-count of finite steps since the scale last changed, and the count of skipped
-steps. Every step it
+It wraps any Keras optimizer and owns a few scalar variables: the current
+scale, the count of finite steps since the scale last changed, and the counts
+of skipped steps (in all and in a row). Every step it
 
 * sums the gradients across replicas (under a `tf.distribute` strategy), once;
 * divides them by the scale if they came from `scale_loss` (the `fit` path);
-* checks them for inf/NaN, after aggregation, so every replica decides alike;
+* checks them for inf/NaN, after aggregation, so every replica decides alike
+  (small gradients are checked in batches: one reduction for many);
 * applies them with the inner optimizer only if all are finite; a skipped step
   leaves variables, the inner optimizer's slots and `iterations` untouched;
 * assigns the scale and counter that `kmp.loss_scale.next_dynamic_scale`
   returns (a fixed scale is left as it is).
 
-Importing kmp also makes `model.compile` wrap its optimizer in this class, not in
-Keras's own, when it adds loss scaling by itself (a `mixed_float16` model with
-`auto_scale_loss=True`), so such a model saves and restores its scale.
+Importing kmp also makes `model.compile` wrap its optimizer in this class,
+not in Keras's own, when it adds loss scaling by itself (a `mixed_float16`
+model with `auto_scale_loss=True`), so such a model saves and restores its
+scale; and only when some layer computes in float16.
 """
 
 import contextlib
@@ -398,8 +400,9 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
     """Wraps a Keras optimizer and scales the loss so float16 gradients survive.
 
     Under `mixed_float16`, small gradients underflow to zero in float16.
-    Multiplying the loss by a scale multiplies every gradient by it too; dividing
-    the gradients by it before they are applied gives back the true update.
+    Multiplying the loss by a scale multiplies every gradient by it too;
+    dividing the gradients by it before they are applied gives back the true
+    update.
 
     * Dynamic (default): start at `initial_scale` (2**15); after
       `dynamic_growth_steps` (2000) finite steps in a row, double; on a step
@@ -548,7 +551,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
 
     @property
     def dynamic_counter(self) -> Optional[tf.Tensor]:
-        """Finite steps since the scale last changed (int64); None when fixed."""
+        """Finite steps since the scale last changed (int64); None if fixed."""
         if not self._dynamic:
             return None
         return tf.convert_to_tensor(self._counter)
@@ -646,8 +649,8 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             grads, (tf.Tensor, tf.IndexedSlices, str, bytes, Mapping)
         ) or not isinstance(grads, Iterable):
             raise TypeError(
-                "'grads' must be a list of gradients (tensors, IndexedSlices or "
-                f"None), such as tape.gradient(...)'s result. Received: "
+                "'grads' must be a list of gradients (tensors, IndexedSlices "
+                f"or None), such as tape.gradient(...)'s result. Received: "
                 f"grads={_describe(grads)}"
             )
         grads = list(grads)
@@ -661,7 +664,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         return unscaled
 
     def scale_loss(self, loss):
-        """Keras 3's hook (called by `fit`): scales `loss` like `get_scaled_loss`.
+        """Keras 3's hook, called by `fit`: scales like `get_scaled_loss`.
 
         The gradients of its result may be passed, still scaled, to the next
         `apply_gradients` in this thread, which then unscales them itself.
@@ -714,8 +717,9 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             if not self.built:
                 raise ValueError(
                     "apply() without 'trainable_variables' needs a built "
-                    "optimizer: call optimizer.build(model.trainable_variables) "
-                    "first, or pass the variables."
+                    "optimizer: call "
+                    "optimizer.build(model.trainable_variables) first, or "
+                    "pass the variables."
                 )
             trainable_variables = self._trainable_variables
         trainable_variables = list(trainable_variables)

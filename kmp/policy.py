@@ -1,15 +1,15 @@
-"""Dtype policies: the dtype a layer computes in and the one it stores variables in.
+"""Dtype policies: the dtype a layer computes in and the one it stores in.
 
-`Policy` is a Keras `DTypePolicy` restricted to the six floating policies, so it is
-accepted wherever Keras takes `dtype=`. The global policy is Keras's own global
-policy, with two differences that kmp makes when it is imported:
+`Policy` is a Keras `DTypePolicy` restricted to the six floating policies, so
+it is accepted wherever Keras takes `dtype=`. The global policy is Keras's own
+global policy, with two differences that kmp makes when it is imported:
 
-- It is process-wide, as it was in `tf.keras` (Keras 2). Keras 3 keeps the global
-  policy per thread, so a layer built in another thread, or inside a
-  `tf.distribute` replica function (MirroredStrategy runs those in threads), would
-  silently get float32. With kmp imported, the policy set by
-  `kmp.set_global_policy` or `keras.config.set_dtype_policy` in any thread is the
-  one every thread sees.
+- It is process-wide, as it was in `tf.keras` (Keras 2). Keras 3 keeps the
+  global policy per thread, so a layer built in another thread, or inside a
+  `tf.distribute` replica function (MirroredStrategy runs those in threads),
+  would silently get float32. With kmp imported, the policy set by
+  `kmp.set_global_policy` or `keras.config.set_dtype_policy` in any thread is
+  the one every thread sees.
 - `keras.backend.clear_session()` no longer resets it; `set_global_policy(None)`
   does (back to `"float32"`).
 """

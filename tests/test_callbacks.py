@@ -135,9 +135,7 @@ def test_mixed_float16_compile_provides_the_optimizer():
     model.compile(optimizer="sgd", loss="mse")
     history = _fit(model, _data(), 1, [LossScaleMonitor()])
     assert isinstance(model.optimizer, kmp.LossScaleOptimizer)
-    assert history.history["loss_scale"] == [
-        float(model.optimizer.loss_scale)
-    ]
+    assert history.history["loss_scale"] == [float(model.optimizer.loss_scale)]
 
 
 def test_optimizer_without_loss_scaling_is_an_error():
