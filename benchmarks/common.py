@@ -143,6 +143,13 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="TensorFlow intra-op threads (default: TensorFlow's choice)",
     )
+    parser.add_argument(
+        "--no-remapping",
+        action="store_true",
+        help="turn off Grappler's op fusion ('remapping'): on CPUs its fused "
+        "float16 MatMul+BiasAdd kernel is about 1000x slower than the "
+        "unfused ops, which makes mixed_float16 steps unmeasurably slow",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed")
 
 
@@ -172,6 +179,8 @@ def parse_args(
         parser.error("--warmup-max must be at least --warmup-min")
     if args.threads is not None:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    if args.no_remapping:
+        tf.config.optimizer.set_experimental_options({"remapping": False})
     return args
 
 

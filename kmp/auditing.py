@@ -22,10 +22,8 @@ those whose local error is large) and a first loss scale: the largest power
 of two that keeps the largest gradient 16 times below float16's maximum.
 """
 
-import argparse
 import dataclasses
 import math
-import os
 from typing import Callable
 from typing import Dict
 from typing import List
@@ -41,6 +39,7 @@ from kmp.conversion import LOW_PRECISION_DTYPES
 from kmp.conversion import _check_graph_model
 from kmp.conversion import _is_floating
 from kmp.conversion import convert
+from kmp.inspection import _existing_file
 from kmp.inspection import _format_table
 from kmp.inspection import _load_model
 from kmp.policy import PolicyLike
@@ -917,12 +916,6 @@ def _plot(report: AuditReport, path: str) -> None:
 
 
 # --- kmp audit ----------------------------------------------------------------
-
-
-def _existing_file(path: str) -> str:
-    if not os.path.isfile(path):
-        raise argparse.ArgumentTypeError(f"no such file: {path!r}")
-    return path
 
 
 def add_parser(subparsers) -> None:

@@ -275,10 +275,19 @@ def _float16_slow_message(gpus, tpus, cpu_flags) -> Optional[str]:
         found = "no GPU"
     policy, reason = recommend_policy(gpus, tpus, cpu_flags)
     return (
-        "Computing in float16 ('mixed_float16') will be slow here: float16 "
+        "Computing in float16 (policies 'mixed_float16', 'float16') will be "
+        "slow here: float16 "
         "is fast on GPUs of compute capability 7.0 or higher, and this "
         f"machine has {found}. "
         f"Use {policy!r} instead: {reason}"
+        + (
+            ""
+            if gpus
+            else " If you keep float16 on this CPU, turn off TensorFlow's "
+            "fused float16 MatMul kernel, which is about 1000x slower than "
+            "the plain ops here: tf.config.optimizer."
+            "set_experimental_options({'remapping': False})."
+        )
     )
 
 

@@ -255,6 +255,32 @@ def test_keras_loss_scale_optimizer_applies_a_one_replica_inf(two_replicas):
     assert float(np.array(optimizer.dynamic_scale)) == 16.0  # Not lowered.
 
 
+# --- OneDeviceStrategy ------------------------------------------------------
+
+
+def test_one_device_strategy_fit_skips_a_non_finite_step():
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        optimizer = kmp.LossScaleOptimizer(
+            keras.optimizers.SGD(0.1), initial_scale=8.0
+        )
+        model.compile(optimizer=optimizer, loss="mse")
+    x = np.ones((8, 3), "float32")
+    y = np.ones((8, 2), "float32")
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert int(optimizer.iterations) == 2 and int(optimizer.skipped_steps) == 0
+    before = [w.copy() for w in model.get_weights()]
+    y_bad = y.copy()
+    y_bad[0, 0] = np.inf
+    model.fit(x[:4], y_bad[:4], batch_size=4, epochs=1, verbose=0)
+    assert int(optimizer.skipped_steps) == 1
+    assert int(optimizer.iterations) == 2
+    assert float(optimizer.loss_scale) == 4.0
+    for old, new in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(old, new)
+
+
 # --- Unsupported strategies ---------------------------------------------------
 
 
