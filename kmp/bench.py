@@ -28,6 +28,7 @@ custom loop compile alike on every machine.
 """
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -49,11 +50,11 @@ from kmp.policy import policy_scope
 
 LOOPS = ("fit", "custom")
 DEFAULT_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
-# Sized so that the default run takes about two minutes on a 2-core CPU, where
-# float16 steps are far slower than the others (see `summarize`) and dominate.
+# Sized so that the default run takes about two minutes on a 2-core CPU and
+# the matrix multiplications are large enough for 16-bit compute to matter.
 DEFAULT_STEPS = 400
-DEFAULT_BATCH_SIZE = 128
-DEFAULT_UNITS = 64
+DEFAULT_BATCH_SIZE = 256
+DEFAULT_UNITS = 2048
 DEFAULT_ROUNDS = 5
 DEFAULT_WARMUP_STEPS = 10
 
@@ -85,6 +86,36 @@ def _needs_loss_scaling(policy: str) -> bool:
 
 
 # --- Validation --------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _op_fusion(policy):
+    """Turns TensorFlow's op fusion ('remapping') off for float16 compute.
+
+    On CPUs its fused float16 MatMul + BiasAdd kernel is about a thousand
+    times slower than the plain ops, which would make float16 look far worse
+    than it is; float32 and bfloat16 keep the fusion, as users get it. The
+    option is read at every call, so it can change between configurations.
+    """
+    options = tf.config.optimizer.get_experimental_options()
+    compute = kmp.Policy(policy).compute_dtype
+    on_cpu = not tf.config.list_physical_devices("GPU")
+    if on_cpu and compute == "float16":
+        tf.config.optimizer.set_experimental_options({"remapping": False})
+    try:
+        yield
+    finally:
+        tf.config.optimizer.set_experimental_options(
+            {"remapping": options.get("remapping", True)}
+        )
+
+
+FLOAT16_FUSION_NOTE = (
+    "float16 configurations ran with TensorFlow's op fusion ('remapping') "
+    "off: on CPUs its fused float16 MatMul + BiasAdd kernel is about 1000x "
+    "slower than the plain ops. To train like this yourself: "
+    "tf.config.optimizer.set_experimental_options({'remapping': False})."
+)
 
 
 def _check_names(values, allowed, argument):
@@ -510,9 +541,10 @@ def run_benchmark(
             policy, loop, implementation, units, x_train.shape[1]
         )
         indices = batches[:warmup_steps].reshape(-1)
-        configuration.train(
-            x_train[indices], y_train[indices], batch_size, False, False
-        )
+        with _op_fusion(policy):
+            configuration.train(
+                x_train[indices], y_train[indices], batch_size, False, False
+            )
         configurations.append(configuration)
         if verbose:
             print(
@@ -534,7 +566,8 @@ def run_benchmark(
                     f"round {round_index + 1}/{rounds}, {chunk} steps: "
                     f"{configuration.label}"
                 )
-            configuration.train(x, y, batch_size, True, verbose)
+            with _op_fusion(configuration.policy):
+                configuration.train(x, y, batch_size, True, verbose)
 
     results = [
         _result(c, data, batch_size, units, warmup_steps)
@@ -733,12 +766,17 @@ def summarize(results: Sequence[Dict]) -> str:
             "tensor cores, TPUs, some recent CPUs); otherwise the casts cost "
             "more than they save."
         )
+    if any(
+        r["device"] == "cpu"
+        and kmp.Policy(r["policy"]).compute_dtype == "float16"
+        for r in results
+    ):
+        lines.append(FLOAT16_FUSION_NOTE)
     if slow_float16_on_cpu:
         lines.append(
-            "float16 is especially slow on CPUs: TensorFlow's CPU kernels "
-            "for it (the fused MatMul + BiasAdd of a Dense layer, among "
-            "others) are not optimised. mixed_float16 is meant for GPUs; "
-            "on a CPU, prefer mixed_bfloat16."
+            "float16 is especially slow on CPUs without float16 "
+            "instructions (avx512_fp16 / amx_fp16); mixed_float16 is meant "
+            "for GPUs: on a CPU, prefer mixed_bfloat16."
         )
     return "\n".join(lines)
 

@@ -162,9 +162,21 @@ def test_float16_warning_is_logged_once_per_process(fake_machine, caplog):
         assert doctor.warn_if_float16_is_slow() is False
     (record,) = caplog.records
     assert record.name == "kmp"
-    assert "'mixed_float16') will be slow here" in record.getMessage()
+    assert "'float16') will be slow here" in record.getMessage()
     assert "no GPU" in record.getMessage()
     assert "Use 'mixed_bfloat16' instead" in record.getMessage()
+    assert "{'remapping': False}" in record.getMessage()
+
+
+def test_float16_warning_on_a_cpu_with_float16_instructions(
+    fake_machine, caplog
+):
+    fake_machine["flags"] = frozenset({"avx512_bf16", "avx512_fp16"})
+    with caplog.at_level(logging.WARNING, logger="kmp"):
+        assert doctor.warn_if_float16_is_slow() is True
+    message = caplog.records[0].getMessage()
+    assert "this CPU has float16 instructions (avx512_fp16)" in message
+    assert "about as fast as bfloat16" in message
 
 
 def test_float16_warning_names_the_slow_gpu(fake_machine, caplog):
