@@ -317,10 +317,17 @@ kmp.set_global_policy(None)
 #   bfloat16) in software. The model still trains, only more slowly than in
 #   float32, though it still saves memory.
 #
-# On this project's development CPU, which has AVX-512 BF16, "mixed_bfloat16"
-# trains about 1.5 to 2.4 times faster than float32 depending on the model,
-# while float16 is emulated and much slower than float32. Measure your own
-# model and machine with `kmp bench`. What this machine offers:
+# * CPUs with AVX-512 FP16 (Intel Sapphire Rapids and later) compute float16
+#   natively too, but TensorFlow's fused float16 MatMul + BiasAdd kernel (the
+#   "remapping" graph optimisation) is about 1000 times slower on CPUs than
+#   the plain ops. Turn it off when you train in float16 on a CPU:
+#   `tf.config.optimizer.set_experimental_options({"remapping": False})`.
+#
+# On this project's development CPU, which has AVX-512 BF16 and FP16,
+# "mixed_bfloat16" trains about 1.5 to 2.4 times faster than float32
+# depending on the model; "mixed_float16" is about as fast as bfloat16 with
+# that fusion off, and dozens of times slower than float32 with it on. Measure
+# your own model and machine with `kmp bench`. What this machine offers:
 
 gpus = tf.config.list_physical_devices("GPU")
 cpu_flags = set()

@@ -6,8 +6,7 @@ of skipped steps (in all and in a row). Every step it
 
 * sums the gradients across replicas (under a `tf.distribute` strategy), once;
 * divides them by the scale if they came from `scale_loss` (the `fit` path);
-* checks them for inf/NaN, after aggregation, so every replica decides alike
-  (small gradients are checked in batches: one reduction for many);
+* checks them for inf/NaN, after aggregation, so every replica decides alike;
 * applies them with the inner optimizer only if all are finite; a skipped step
   leaves variables, the inner optimizer's slots and `iterations` untouched;
 * assigns the scale and counter that `kmp.loss_scale.next_dynamic_scale`
@@ -261,61 +260,23 @@ def _scale_tensor(tensor: tf.Tensor, scale: tf.Tensor, divide: bool):
     return tensor / scale if divide else tensor * scale
 
 
-# Gradients up to this many elements are batched with others of the same dtype
-# and trailing shape: one concat + one op replaces one op per gradient, which
-# matters for models with hundreds of small variables. Larger ones are handled
-# alone, where a copy would cost more than the op it saves.
-_BATCH_MAX_ELEMENTS = 1 << 16
-
-
-def _batches(tensors) -> List[List[int]]:
-    """Groups the indices of `tensors` that can be concatenated on axis 0."""
-    groups = {}
-    for index, tensor in enumerate(tensors):
-        shape = tensor.shape
-        batchable = (
-            shape.rank is not None
-            and shape.rank >= 1
-            and shape[1:].is_fully_defined()
-            and shape[0] is not None
-            and shape.num_elements() <= _BATCH_MAX_ELEMENTS
-        )
-        key = (tensor.dtype, tuple(shape[1:])) if batchable else index
-        groups.setdefault(key, []).append(index)
-    return list(groups.values())
-
-
-def _concat(tensors) -> tf.Tensor:
-    return tensors[0] if len(tensors) == 1 else tf.concat(tensors, axis=0)
-
-
 def _unscale_gradients(gradients, scale: tf.Tensor, keep=()) -> List:
     """Divides every gradient by `scale` (None stays None; `keep` indices too).
 
-    Sparse gradients are divided on their values and stay sparse.
+    One op per gradient, which runs as soon as that gradient is computed,
+    alongside the rest of the backward pass. Sparse gradients are divided on
+    their values and stay sparse.
     """
-    gradients = list(gradients)
-    positions, values = [], []
+    unscaled = []
     for index, g in enumerate(gradients):
-        if g is not None and index not in keep:
-            positions.append(index)
-            values.append(g.values if isinstance(g, tf.IndexedSlices) else g)
-    for batch in _batches(values):
-        parts = [values[i] for i in batch]
-        divided = _scale_tensor(_concat(parts), scale, divide=True)
-        if len(parts) > 1:
-            sizes = [part.shape[0] for part in parts]
-            divided = tf.split(divided, sizes, axis=0)
+        if g is None or index in keep:
+            unscaled.append(g)
+        elif isinstance(g, tf.IndexedSlices):
+            values = _scale_tensor(g.values, scale, divide=True)
+            unscaled.append(tf.IndexedSlices(values, g.indices, g.dense_shape))
         else:
-            divided = [divided]
-        for i, value in zip(batch, divided):
-            g = gradients[positions[i]]
-            gradients[positions[i]] = (
-                tf.IndexedSlices(value, g.indices, g.dense_shape)
-                if isinstance(g, tf.IndexedSlices)
-                else value
-            )
-    return gradients
+            unscaled.append(_scale_tensor(g, scale, divide=True))
+    return unscaled
 
 
 def _is_finite_sum(tensor) -> tf.Tensor:
@@ -326,29 +287,15 @@ def _is_finite_sum(tensor) -> tf.Tensor:
     return tf.math.is_finite(tf.reduce_sum(tensor))
 
 
-def _gradient_values(gradients) -> List[tf.Tensor]:
-    return [
-        g.values if isinstance(g, tf.IndexedSlices) else g
-        for g in gradients
-        if g is not None
-    ]
-
-
 def _all_finite(gradients) -> tf.Tensor:
     """True when no gradient holds an inf or NaN.
 
-    One reduction per batch of small gradients (and per large one). A
-    gradient whose elements add up beyond the float32 range (about 3.4e38)
-    counts as non-finite too. Sparse gradients are checked on their values.
+    One reduction per gradient (each runs as soon as its gradient exists),
+    then one small reduction over them all. A gradient whose elements add up
+    beyond the float32 range (about 3.4e38) counts as non-finite too. Sparse
+    gradients are checked on their values.
     """
-    values = _gradient_values(gradients)
-    flags = [
-        _is_finite_sum(_concat([values[i] for i in batch]))
-        for batch in _batches(values)
-    ]
-    if not flags:
-        return tf.constant(True)
-    return flags[0] if len(flags) == 1 else tf.reduce_all(tf.stack(flags))
+    return tf.reduce_all(_finite_per_gradient(gradients))
 
 
 def _finite_per_gradient(gradients) -> tf.Tensor:
@@ -763,10 +710,10 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             }
             grads = _unscale_gradients(grads, scale, keep)
         # The gradients are the same on every replica now, and so is this.
-        finite = _all_finite(grads)
-        finite_per_gradient = (
-            _finite_per_gradient(grads) if self._record_nonfinite else None
-        )
+        finite_per_gradient = _finite_per_gradient(grads)
+        finite = tf.reduce_all(finite_per_gradient)
+        if not self._record_nonfinite:
+            finite_per_gradient = None
         if distributed and not (
             tf.__internal__.distribute.strategy_supports_no_merge_call()
         ):
