@@ -831,6 +831,23 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
 
     # --- Serialization ------------------------------------------------------
 
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        # In a tf.train.Checkpoint this optimizer looks like its inner one
+        # plus the loss-scale state under names of its own, so checkpoints
+        # carry over between a plain and a loss-scale optimizer, both ways.
+        children = dict(
+            self._inner_optimizer._trackable_children(save_type, **kwargs)
+        )
+        children.update(
+            {
+                "loss_scale": self._scale,
+                "loss_scale_counter": self._counter,
+                "loss_scale_skipped_steps": self._skipped,
+                "loss_scale_consecutive_skips": self._skipped_in_a_row,
+            }
+        )
+        return children
+
     def get_config(self) -> dict:
         return {
             "name": self.name,
