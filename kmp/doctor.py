@@ -31,6 +31,7 @@ from kmp._backend import tf
 CPUINFO_PATH = "/proc/cpuinfo"
 # The x86 flags /proc/cpuinfo shows for bfloat16 instructions.
 BFLOAT16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
+FLOAT16_CPU_FLAGS = ("avx512_fp16", "amx_fp16")
 # amx_tile is AMX's tile registers; the bfloat16 arithmetic is amx_bf16.
 _BFLOAT16_ARITHMETIC_FLAGS = ("avx512_bf16", "amx_bf16")
 TENSOR_CORE_CAPABILITY = (7, 0)
@@ -247,6 +248,17 @@ def format_report(environment: Environment) -> str:
         lines.append(
             "CPU bfloat16 instructions: " + (", ".join(present) or "none")
         )
+        present = [f for f in FLOAT16_CPU_FLAGS if f in environment.cpu_flags]
+        lines.append(
+            "CPU float16 instructions: " + (", ".join(present) or "none")
+        )
+        if present and not environment.gpus:
+            lines.append(
+                "  float16 is fast here only with TensorFlow's op fusion off: "
+                "tf.config.optimizer.set_experimental_options("
+                "{'remapping': False}) (its fused float16 MatMul kernel is "
+                "about 1000x slower on CPUs)"
+            )
     policy, reason = recommend_policy(
         environment.gpus, environment.tpus, environment.cpu_flags
     )
@@ -272,7 +284,7 @@ def _cpu_float16_advice(cpu_flags) -> str:
         "slower on CPUs than the plain ops; turn that fusion off with "
         "tf.config.optimizer.set_experimental_options({'remapping': False})"
     )
-    native = sorted({"avx512_fp16", "amx_fp16"} & set(cpu_flags))
+    native = sorted(set(FLOAT16_CPU_FLAGS) & set(cpu_flags))
     if native:
         return (
             f" If you keep float16: this CPU has float16 instructions "

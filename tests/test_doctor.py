@@ -132,8 +132,18 @@ def test_format_report():
     )
     assert "GPU 1: NVIDIA A100 (compute capability 8.0)\n" in text
     assert "CPU bfloat16 instructions: avx512_bf16" in text
+    assert "CPU float16 instructions: none" in text
     assert "Recommended policy: mixed_float16" in text
     assert "kmp.set_global_policy('mixed_float16')" in text
+
+
+def test_format_report_on_a_cpu_with_float16_instructions():
+    environment = doctor.Environment(
+        "2.21.0", "3.15.1", "3.11.7", (), 0, frozenset({"avx512_fp16"})
+    )
+    text = doctor.format_report(environment)
+    assert "CPU float16 instructions: avx512_fp16" in text
+    assert "{'remapping': False}" in text
 
 
 def test_format_report_without_cpuinfo_or_gpus():
