@@ -26,6 +26,7 @@ tf.config.set_logical_device_configuration(
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from digits import build_model  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import kmp  # noqa: E402
@@ -45,18 +46,6 @@ def load_data():
         x, y = x[:384], y[:384]
     split = len(x) * 4 // 5
     return (x[:split], y[:split]), (x[split:], y[split:])
-
-
-def build_model() -> keras.Model:
-    return keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(10),
-            keras.layers.Activation("softmax", dtype="float32"),
-        ]
-    )
 
 
 def train_with_fit(strategy, data) -> None:

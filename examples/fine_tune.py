@@ -17,38 +17,14 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+from digits import build_model  # noqa: E402
+from digits import load_data  # noqa: E402
 
 import kmp  # noqa: E402
 
 SMALL = os.environ.get("KMP_EXAMPLE_SMALL") == "1"
 FLOAT32_EPOCHS = 1 if SMALL else 3
 FINE_TUNE_EPOCHS = 2 if SMALL else 15
-
-
-def load_data():
-    """Digits scaled to [0, 1], shuffled, split 80/20 into train and test."""
-    digits = load_digits()
-    order = np.random.default_rng(0).permutation(len(digits.target))
-    x = (digits.data[order] / 16.0).astype("float32")
-    y = digits.target[order].astype("int32")
-    if SMALL:
-        x, y = x[:400], y[:400]
-    split = len(x) * 4 // 5
-    return (x[:split], y[:split]), (x[split:], y[split:])
-
-
-def build_model() -> keras.Model:
-    """The same architecture under whatever policy is in force."""
-    return keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(10),
-            keras.layers.Activation("softmax", dtype="float32"),
-        ]
-    )
 
 
 def compile_model(model: keras.Model, optimizer) -> None:
