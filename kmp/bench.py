@@ -50,7 +50,7 @@ from kmp.policy import policy_scope
 
 LOOPS = ("fit", "custom")
 DEFAULT_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
-# Sized so that the default run takes about two minutes on a 2-core CPU and
+# Sized so that the default run takes 1-2 minutes on a 2-core CPU and
 # the matrix multiplications are large enough for 16-bit compute to matter.
 DEFAULT_STEPS = 400
 DEFAULT_BATCH_SIZE = 256
@@ -942,7 +942,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "compare step time, loss, accuracy and loss scaling. Steps are "
             "timed one by one, after warm-up, in interleaved rounds; the "
             "table shows medians with the interquartile range. The defaults "
-            "take about two minutes on a 2-core CPU."
+            "take one to two minutes on a 2-core CPU."
         ),
     )
     parser.add_argument(
