@@ -63,7 +63,8 @@ def start_selected(request, folder: str, small_variable: str) -> None:
     """
     for item in request.session.items:
         callspec = getattr(item, "callspec", None)
-        if item.module is request.module and callspec is not None:
+        module = getattr(item, "module", None)  # Doctest items have none.
+        if module is request.module and callspec is not None:
             script = callspec.params.get("script")
             if script is not None:
                 start(f"{folder}/{script}", small_variable)
