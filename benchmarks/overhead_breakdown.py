@@ -46,7 +46,7 @@ class _Variant(kmp.LossScaleOptimizer):
 
         finite = None
         if "check" in self.parts:
-            finite = kmp_optimizer._all_finite(grads)
+            finite = tf.reduce_all(kmp_optimizer._finite_per_gradient(grads))
         if "cond" in self.parts:
             predicate = self._scale > 0 if finite is None else finite
             tf.cond(predicate, update, lambda: None)

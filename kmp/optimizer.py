@@ -287,19 +287,13 @@ def _is_finite_sum(tensor) -> tf.Tensor:
     return tf.math.is_finite(tf.reduce_sum(tensor))
 
 
-def _all_finite(gradients) -> tf.Tensor:
-    """True when no gradient holds an inf or NaN.
-
-    One reduction per gradient (each runs as soon as its gradient exists),
-    then one small reduction over them all. A gradient whose elements add up
-    beyond the float32 range (about 3.4e38) counts as non-finite too. Sparse
-    gradients are checked on their values.
-    """
-    return tf.reduce_all(_finite_per_gradient(gradients))
-
-
 def _finite_per_gradient(gradients) -> tf.Tensor:
-    """A bool vector: whether each gradient is free of inf and NaN (None is)."""
+    """A bool vector: whether each gradient is free of inf and NaN (None is).
+
+    One reduction per gradient, each run as soon as its gradient exists. A
+    gradient whose elements add up beyond the float32 range (about 3.4e38)
+    counts as non-finite too. Sparse gradients are checked on their values.
+    """
     flags = [
         tf.constant(True)
         if g is None
