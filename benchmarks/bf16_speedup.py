@@ -26,13 +26,7 @@ POLICIES = ("float32", "mixed_bfloat16")
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_common_arguments(parser)
-    parser.add_argument(
-        "--models",
-        default="mlp,cnn,transformer,lstm",
-        help="comma-separated models among: "
-        + ", ".join(common.MODEL_NAMES)
-        + " (default mlp,cnn,transformer,lstm)",
-    )
+    report.add_models_argument(parser, "mlp,cnn,transformer,lstm")
     parser.add_argument(
         "--path",
         choices=("fit", "loop"),
@@ -40,10 +34,7 @@ def main(argv=None) -> int:
         help="time the train function fit runs (default) or a custom loop",
     )
     args = common.parse_args(parser, argv)
-    models = args.models.split(",")
-    for name in models:
-        if name not in common.MODEL_NAMES:
-            parser.error(f"unknown model {name!r} in --models")
+    models = args.models
 
     common.print_machine(
         "mixed_bfloat16 speedup over float32 (step time ratio)", args

@@ -48,10 +48,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import report  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from report import MODEL_NAMES  # noqa: E402
 
 import kmp  # noqa: E402
-
-MODEL_NAMES = ("mlp", "many_small", "cnn", "transformer", "lstm")
 
 # The sizes measured by default, and the tiny ones `--quick` uses to check
 # that a script runs at all. `batch` is the batch size of a training step.

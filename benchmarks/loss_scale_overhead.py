@@ -22,6 +22,7 @@ most +3% on the MLP and +15% on the many-small-variables model).
 import argparse
 
 import common
+import report
 
 GOALS = {"mlp": 0.03, "many_small": 0.15}
 CONFIGS = (("plain", None), ("kmp", "kmp"), ("keras", "keras"))
@@ -30,24 +31,15 @@ CONFIGS = (("plain", None), ("kmp", "kmp"), ("keras", "keras"))
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_common_arguments(parser)
-    parser.add_argument(
-        "--models",
-        default="mlp,many_small",
-        help="comma-separated models among: "
-        + ", ".join(common.MODEL_NAMES)
-        + " (default mlp,many_small)",
-    )
+    report.add_models_argument(parser, "mlp,many_small")
     parser.add_argument(
         "--paths",
         default="loop,fit",
         help="comma-separated paths among: loop, fit (default both)",
     )
     args = common.parse_args(parser, argv)
-    models = args.models.split(",")
+    models = args.models
     paths = args.paths.split(",")
-    for name in models:
-        if name not in common.MODEL_NAMES:
-            parser.error(f"unknown model {name!r} in --models")
     for path in paths:
         if path not in ("loop", "fit"):
             parser.error(f"unknown path {path!r} in --paths")

@@ -33,8 +33,6 @@ import sys
 import report
 
 GOAL = 0.55
-# common.MODEL_NAMES, repeated so that this process never imports TensorFlow.
-MODEL_NAMES = ("mlp", "many_small", "cnn", "transformer", "lstm")
 POLICIES = ("float32", "mixed_bfloat16")
 MEMORY_BATCH = {"mlp": 8192, "cnn": 64}
 QUICK_BATCH = {"mlp": 64, "cnn": 4}
@@ -166,12 +164,7 @@ def _parser():
         action="store_true",
         help="tiny models and batches: checks that the script runs",
     )
-    parser.add_argument(
-        "--models",
-        default="cnn,mlp",
-        help="comma-separated models (default cnn,mlp; any of mlp, "
-        "many_small, cnn, transformer, lstm)",
-    )
+    report.add_models_argument(parser, "cnn,mlp")
     parser.add_argument(
         "--batch",
         type=int,
@@ -237,10 +230,7 @@ def main(argv=None) -> int:
             tf.config.threading.set_intra_op_parallelism_threads(args.threads)
         return _child(args)
 
-    models = args.models.split(",")
-    for name in models:
-        if name not in MODEL_NAMES:
-            parser.error(f"unknown model {name!r} in --models")
+    models = args.models
     frameworks = ["keras"]
     tf_keras_note = "not requested (--tf-keras)"
     if args.tf_keras:

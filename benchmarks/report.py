@@ -9,6 +9,7 @@ Example:
     report.print_table(("config", "ms"), [("float32", "1.0")])
 """
 
+import argparse
 import datetime
 import importlib.metadata
 import os
@@ -16,8 +17,34 @@ import platform
 import sys
 from typing import Any
 from typing import Dict
+from typing import List
 from typing import Optional
 from typing import Sequence
+
+MODEL_NAMES = ("mlp", "many_small", "cnn", "transformer", "lstm")
+
+
+def model_names(text: str) -> List[str]:
+    """Parses a comma-separated `--models` value (an argparse type)."""
+    names = text.split(",")
+    for name in names:
+        if name not in MODEL_NAMES:
+            raise argparse.ArgumentTypeError(
+                f"unknown model {name!r}; choose among {', '.join(MODEL_NAMES)}"
+            )
+    return names
+
+
+def add_models_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    """Adds `--models`, validated by `model_names`, defaulting to `default`."""
+    parser.add_argument(
+        "--models",
+        type=model_names,
+        default=model_names(default),
+        help=f"comma-separated models among: {', '.join(MODEL_NAMES)} "
+        f"(default {default})",
+    )
+
 
 # Distributions whose versions are printed; the first one installed of each
 # group is shown (TensorFlow ships as tensorflow or tensorflow-cpu).

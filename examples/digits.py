@@ -3,7 +3,7 @@
 scikit-learn ships the 8x8 digits (1797 images), so nothing is downloaded.
 Run any example from anywhere: Python puts its folder, and so this module,
 on the import path. `KMP_EXAMPLE_SMALL=1` (set by the tests) keeps 400
-images.
+images (or `small_size`).
 """
 
 import os
@@ -15,14 +15,14 @@ from sklearn.datasets import load_digits
 SMALL = os.environ.get("KMP_EXAMPLE_SMALL") == "1"
 
 
-def load_data():
+def load_data(small_size: int = 400):
     """Digits scaled to [0, 1], shuffled, split 80/20 into train and test."""
     digits = load_digits()
     order = np.random.default_rng(0).permutation(len(digits.target))
     x = (digits.data[order] / 16.0).astype("float32")
     y = digits.target[order].astype("int32")
     if SMALL:
-        x, y = x[:400], y[:400]
+        x, y = x[:small_size], y[:small_size]
     split = len(x) * 4 // 5
     return (x[:split], y[:split]), (x[split:], y[split:])
 

@@ -25,27 +25,14 @@ tf.config.set_logical_device_configuration(
 )
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 from digits import build_model  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+from digits import load_data  # noqa: E402
 
 import kmp  # noqa: E402
 
 SMALL = os.environ.get("KMP_EXAMPLE_SMALL") == "1"
 EPOCHS = 2 if SMALL else 10
 GLOBAL_BATCH_SIZE = 64  # 32 per replica
-
-
-def load_data():
-    """Digits scaled to [0, 1], shuffled, split 80/20 into train and test."""
-    digits = load_digits()
-    order = np.random.default_rng(0).permutation(len(digits.target))
-    x = (digits.data[order] / 16.0).astype("float32")
-    y = digits.target[order].astype("int32")
-    if SMALL:
-        x, y = x[:384], y[:384]
-    split = len(x) * 4 // 5
-    return (x[:split], y[:split]), (x[split:], y[split:])
 
 
 def train_with_fit(strategy, data) -> None:
@@ -137,7 +124,7 @@ def main() -> None:
     kmp.set_global_policy("mixed_float16")
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     print("replicas in sync:", strategy.num_replicas_in_sync)
-    data = load_data()
+    data = load_data(small_size=384)  # A multiple of the global batch.
     train_with_fit(strategy, data)
     train_with_loop(strategy, data)
 
