@@ -6,6 +6,13 @@ each function it calls (the `while` loop over time steps is one of them).
 Under mixed_bfloat16 the loop body reads the kernel, recurrent kernel and
 bias and casts them to bfloat16 again at every one of the 64 time steps.
 
+It then traces a training step (forward and gradient) three ways: Keras's own
+loop, with `kmp.recurrent.install()` (the weights cast once per call, before
+the loop; results bit-identical), and with `install(exact=False)` (the loop's
+gradient for the weights summed in bfloat16, as tf.keras did). The
+TensorListPushBack ops are the tensors the forward loop keeps for the backward
+pass, one per step each.
+
     python benchmarks/lstm_graph.py [--policy mixed_bfloat16]
 """
 
@@ -19,8 +26,9 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import kmp  # noqa: E402
+from kmp import recurrent  # noqa: E402
 
-COUNTED = ("Cast", "ReadVariableOp", "MatMul")
+COUNTED = ("Cast", "ReadVariableOp", "MatMul", "TensorListPushBack")
 
 
 def _print_op_counts(graph, depth=0):
@@ -37,11 +45,32 @@ def main():
     parser.add_argument("--policy", default="mixed_bfloat16")
     args = parser.parse_args()
     kmp.set_global_policy(args.policy)
+    recurrent.uninstall()
     layer = keras.layers.LSTM(256)
     inputs = tf.random.normal((64, 64, 32))
+    layer.build(inputs.shape)
     graph = tf.function(layer).get_concrete_function(inputs).graph
-    print(f"keras.layers.LSTM(256) under {args.policy}:")
+    print(f"keras.layers.LSTM(256) under {args.policy}, forward:")
     _print_op_counts(graph)
+
+    def train_step(inputs):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.cast(layer(inputs), "float32"))
+        return tape.gradient(loss, layer.trainable_variables)
+
+    for title, exact in (
+        ("Keras's loop", None),
+        ("kmp.recurrent.install()", True),
+        ("kmp.recurrent.install(exact=False)", False),
+    ):
+        if exact is None:
+            recurrent.uninstall()
+        else:
+            recurrent.install(exact=exact)
+        graph = tf.function(train_step).get_concrete_function(inputs).graph
+        print(f"\nTraining step (forward and gradient), {title}:")
+        _print_op_counts(graph)
+    recurrent.uninstall()
 
 
 if __name__ == "__main__":

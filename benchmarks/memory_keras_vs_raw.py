@@ -3,39 +3,42 @@
 Runs one configuration per process (this script re-runs itself): the
 784-4096-4096-10 MLP at batch 8192 under float32 or mixed_bfloat16, built
 either from Keras layers or from plain `tf.Variable`s and `tf.matmul` with
-one cast per weight. It reports TensorFlow's own allocator peak
-(`tf.config.experimental.get_memory_info("CPU:0")`) during three Adam steps
-minus what was allocated before them (weights, slots, data), then the
-bf16 / float32 ratios. Peak resident memory (VmHWM) is also printed: it is
-what the operating system sees, but it varies by hundreds of MB between
-runs of the same configuration, while the allocator's peak counts tensor
-bytes. The gap between the two bfloat16 rows is what Keras's layers keep
-beyond the math itself.
+one cast per weight; both keep the last layer in float32, so under
+mixed_bfloat16 its input is a float32 copy of the last hidden activation.
+Each process traces an Adam step, then runs `--steps` steps and reads
+TensorFlow's own allocator peak during each
+(`tf.config.experimental.get_memory_info("CPU:0")`) minus what was allocated
+before the first (weights, slots, data). The peak depends on the order in
+which the executor runs independent ops, which varies from step to step and
+from process to process, so every step is a sample: the script prints the
+median of all steps of `--repeats` processes with their range, then the
+bf16 / float32 ratios of the medians. Equal bfloat16 rows mean Keras's
+layers keep nothing beyond the math itself.
+`memory_breakdown.py` takes the step apart further.
 
     python benchmarks/memory_keras_vs_raw.py
+    python benchmarks/memory_keras_vs_raw.py --repeats 3 --steps 8
 """
 
+import argparse
+import json
 import os
+import statistics
 import subprocess
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 BATCH, UNITS = 8192, 4096
+KINDS = ("keras", "raw")
+POLICIES = ("float32", "mixed_bfloat16")
 
 
-def _status(field):
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _measure(kind, policy):
+def _measure(kind, policy, steps):
     import keras
     import tensorflow as tf
 
+    tf.random.set_seed(0)
     x = tf.random.normal((BATCH, 784))
     y = tf.random.uniform((BATCH,), 0, 10, tf.int32)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -78,41 +81,71 @@ def _measure(kind, policy):
         return loss
 
     step.get_concrete_function()
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    allocated = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    resident = _status("VmRSS")
-    for _ in range(3):
+    memory = tf.config.experimental
+    allocated = memory.get_memory_info("CPU:0")["current"]
+    peaks = []
+    for _ in range(steps):
+        memory.reset_memory_stats("CPU:0")
         step().numpy()
-    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-    print((peak - allocated) / 2**20, _status("VmHWM") - resident)
+        peaks.append(memory.get_memory_info("CPU:0")["peak"] - allocated)
+    print(json.dumps(peaks))
 
 
-def main():
-    if len(sys.argv) == 3:
-        _measure(*sys.argv[1:])
-        return
-    results = {}
-    for kind in ("keras", "raw"):
-        for policy in ("float32", "mixed_bfloat16"):
-            output = subprocess.run(
-                [sys.executable, __file__, kind, policy],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-            allocator, resident = map(
-                float, output.strip().splitlines()[-1].split()
-            )
-            results[kind, policy] = allocator
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="subprocesses per configuration (default 2)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=6,
+        help="measured steps per subprocess (default 6)",
+    )
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.steps < 1:
+        parser.error("--repeats and --steps must be at least 1")
+    if args.child:
+        _measure(*args.child, args.steps)
+        return 0
+    medians = {}
+    for kind in KINDS:
+        for policy in POLICIES:
+            samples = []
+            for _ in range(args.repeats):
+                output = subprocess.run(
+                    [
+                        sys.executable,
+                        os.path.abspath(__file__),
+                        "--child",
+                        kind,
+                        policy,
+                        "--steps",
+                        str(args.steps),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
+                samples += json.loads(output.strip().splitlines()[-1])
+            samples = [value / 2**20 for value in samples]
+            medians[kind, policy] = statistics.median(samples)
             print(
-                f"{kind:5s} {policy:14s} allocator peak {allocator:7.1f} MB "
-                f"beyond what was allocated before (peak RSS {resident:.0f} "
-                "MB beyond)"
+                f"{kind:5s} {policy:14s} allocator peak beyond what was "
+                f"allocated before: median {medians[kind, policy]:6.1f} MB "
+                f"[{min(samples):.1f}-{max(samples):.1f}] over "
+                f"{len(samples)} steps",
+                flush=True,
             )
-    for kind in ("keras", "raw"):
-        ratio = results[kind, "mixed_bfloat16"] / results[kind, "float32"]
+    for kind in KINDS:
+        ratio = medians[kind, POLICIES[1]] / medians[kind, POLICIES[0]]
         print(f"{kind:5s} bf16 / float32: {ratio:.2f}x")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -3,11 +3,14 @@
 Times one custom-loop step of the 202-variable model (100 x Dense(32)) with
 plain Adam and with kmp's loss-scale optimizer taken apart: unscaling only,
 the finite check only, a `tf.cond` around the update only (its predicate read
-from a variable, so it waits for nothing), the check feeding the cond, and
-kmp and Keras as they are. Configurations are interleaved round by round and
+from a variable, so it waits for nothing), the check feeding the cond (which
+TensorFlow lowers into the graph: one Switch op per tensor and variable the
+update uses), the same cond kept as one function call, and kmp and Keras as
+they are. Configurations are interleaved round by round and
 the medians printed as ratios to plain Adam. The policy is float32 by default
 because the optimizer's work does not depend on it and float32 steps are
-short enough to show it.
+short enough to show it. Besides the step time it reports the CPU time each
+step costs the process, which a busy machine disturbs less.
 
     python benchmarks/overhead_breakdown.py [--policy mixed_float16]
 """
@@ -30,6 +33,7 @@ VARIANTS = {
     "check": "unscale, check for inf/NaN, apply without a cond",
     "cond": "a tf.cond around the update; predicate from a variable",
     "check+cond": "unscale, check, and the check feeds the cond",
+    "check+call": "the same, the cond kept as one call (kmp's way)",
 }
 
 
@@ -46,10 +50,12 @@ class _Variant(kmp.LossScaleOptimizer):
 
         finite = None
         if "check" in self.parts:
-            finite = tf.reduce_all(kmp_optimizer._finite_per_gradient(grads))
+            finite = kmp_optimizer._all_finite(grads)
         if "cond" in self.parts:
             predicate = self._scale > 0 if finite is None else finite
             tf.cond(predicate, update, lambda: None)
+        elif "call" in self.parts:
+            kmp_optimizer._cond_as_one_call(finite, update)
         else:
             update()
         if finite is not None:
@@ -108,6 +114,7 @@ def main():
         for _ in range(args.warmup):
             step().numpy()
     times = {kind: [] for kind in kinds}
+    cpu_times = {kind: [] for kind in kinds}
     for round_index in range(args.rounds):
         order = (
             kinds[round_index % len(kinds) :]
@@ -116,19 +123,25 @@ def main():
         for kind in order:
             for _ in range(args.steps):
                 started = time.perf_counter()
+                cpu_started = time.process_time()
                 steps[kind]().numpy()
                 times[kind].append(time.perf_counter() - started)
+                cpu_times[kind].append(time.process_time() - cpu_started)
     base = np.median(times["plain"])
+    cpu_base = np.median(cpu_times["plain"])
     print(
         f"policy {args.policy}, {2 * args.layers + 2} variables, "
         f"{args.rounds} rounds x {args.steps} steps, load average "
-        f"{os.getloadavg()[0]:.2f}"
+        f"{os.getloadavg()[0]:.2f}; step time (wall) and the process's CPU "
+        "time per step, each as a ratio to Adam alone"
     )
     for kind in kinds:
         median = np.median(times[kind])
+        cpu = np.median(cpu_times[kind])
         what = VARIANTS.get(kind, {"plain": "Adam alone"}.get(kind, "as is"))
         print(
-            f"{kind:11s} {median * 1e3:7.3f} ms  {median / base:5.3f}x  {what}"
+            f"{kind:11s} {median * 1e3:7.3f} ms {median / base:5.3f}x  "
+            f"cpu {cpu * 1e3:7.3f} ms {cpu / cpu_base:5.3f}x  {what}"
         )
 
 

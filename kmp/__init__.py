@@ -2,6 +2,7 @@
 
 from kmp import callbacks
 from kmp import mixed_precision
+from kmp import recurrent
 from kmp.auditing import AuditReport
 from kmp.auditing import audit
 from kmp.conversion import convert
@@ -14,6 +15,10 @@ from kmp.policy import set_global_policy
 
 __version__ = "0.1.0"
 
+# Recurrent layers cast their weights once per call, not once per time step
+# (bit-identical results; see kmp/recurrent.py).
+recurrent.install()
+
 __all__ = [
     "AuditReport",
     "LossScaleOptimizer",
@@ -25,6 +30,7 @@ __all__ = [
     "global_policy",
     "mixed_precision",
     "policy_scope",
+    "recurrent",
     "set_global_policy",
     "summary",
 ]

@@ -34,6 +34,7 @@ from typing import Union
 from keras.src.saving import serialization_lib
 from keras.src.trainers import trainer as _keras_trainer
 from tensorflow.python.ops import control_flow_util
+from tensorflow.python.ops import control_flow_util_v2
 
 from kmp import loss_scale as _rule
 from kmp._backend import keras
@@ -279,25 +280,46 @@ def _unscale_gradients(gradients, scale: tf.Tensor, keep=()) -> List:
     return unscaled
 
 
-def _is_finite_sum(tensor) -> tf.Tensor:
-    # An inf or NaN anywhere makes the sum non-finite. Low-precision values
-    # are summed in float32 so that a large finite gradient does not overflow.
-    if tensor.dtype in _FLOAT16_TYPES:
-        tensor = tf.cast(tensor, tf.float32)
-    return tf.math.is_finite(tf.reduce_sum(tensor))
+def _float32_sum(gradient) -> tf.Tensor:
+    """The sum of a gradient's elements (of its values, if sparse).
+
+    Low-precision values are summed in float32, so that many large finite
+    elements do not add up to inf. An inf or NaN anywhere makes the sum
+    non-finite; so does a sum beyond float32's range (about 3.4e38).
+    """
+    if isinstance(gradient, tf.IndexedSlices):
+        gradient = gradient.values
+    if gradient.dtype in _FLOAT16_TYPES:
+        gradient = tf.cast(gradient, tf.float32)
+    return tf.reduce_sum(gradient)
+
+
+def _all_finite(gradients) -> tf.Tensor:
+    """A bool scalar: whether all gradients are free of inf and NaN.
+
+    One reduction per gradient, each run as soon as its gradient exists, and
+    one addition of the sums: an inf or NaN in any gradient makes the total
+    inf or NaN. Its cost is one small op per gradient, which matters for
+    models with hundreds of small variables (`benchmarks/
+    overhead_breakdown.py`). A total beyond float32's range counts as
+    non-finite too.
+    """
+    sums = [
+        tf.cast(_float32_sum(g), tf.float32) for g in gradients if g is not None
+    ]
+    if not sums:
+        return tf.constant(True)
+    return tf.math.is_finite(tf.add_n(sums))
 
 
 def _finite_per_gradient(gradients) -> tf.Tensor:
     """A bool vector: whether each gradient is free of inf and NaN (None is).
 
-    One reduction per gradient, each run as soon as its gradient exists. A
-    gradient whose elements add up beyond the float32 range (about 3.4e38)
-    counts as non-finite too. Sparse gradients are checked on their values.
+    Used when the optimizer records which variables were non-finite; like
+    `_all_finite`, one reduction per gradient.
     """
     flags = [
-        tf.constant(True)
-        if g is None
-        else _is_finite_sum(g.values if isinstance(g, tf.IndexedSlices) else g)
+        tf.constant(True) if g is None else tf.math.is_finite(_float32_sum(g))
         for g in gradients
     ]
     return tf.stack(flags) if flags else tf.ones([0], tf.bool)
@@ -306,6 +328,30 @@ def _finite_per_gradient(gradients) -> tf.Tensor:
 def _in_xla_context() -> bool:
     graph = tf.compat.v1.get_default_graph()
     return control_flow_util.GraphOrParentsInXlaContext(graph)
+
+
+def _cond_as_one_call(predicate, true_fn) -> None:
+    """`tf.cond(predicate, true_fn, no-op)`, run as one function call.
+
+    Inside a `tf.function`, TensorFlow normally lowers a cond into its
+    enclosing graph: every tensor and variable the branch uses passes through
+    its own Switch op, which for a whole optimizer update means a thousand
+    small ops per step for a 200-variable model, each costing the executor
+    time. Kept as a single `If` op, the branch runs as one function call
+    instead (`benchmarks/overhead_breakdown.py` measures the difference). The
+    update still waits for the predicate either way: a step is applied whole
+    or not at all.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    first_new_op = len(graph.get_operations())
+    tf.cond(predicate, true_fn, lambda: None)
+    if tf.executing_eagerly():
+        return
+    for op in graph.get_operations()[first_new_op:]:
+        if op.type in ("If", "StatelessIf"):
+            control_flow_util_v2.maybe_set_lowering_attr(
+                op, lower_using_switch_merge=False
+            )
 
 
 _aggregation_lock = threading.Lock()
@@ -704,10 +750,12 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             }
             grads = _unscale_gradients(grads, scale, keep)
         # The gradients are the same on every replica now, and so is this.
-        finite_per_gradient = _finite_per_gradient(grads)
-        finite = tf.reduce_all(finite_per_gradient)
-        if not self._record_nonfinite:
+        if self._record_nonfinite:
+            finite_per_gradient = _finite_per_gradient(grads)
+            finite = tf.reduce_all(finite_per_gradient)
+        else:
             finite_per_gradient = None
+            finite = _all_finite(grads)
         if distributed and not (
             tf.__internal__.distribute.strategy_supports_no_merge_call()
         ):
@@ -718,11 +766,17 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                 args=(grads, variables, finite, finite_per_gradient),
             )
             return
-        tf.cond(
-            finite,
-            lambda: self._inner_apply(grads, variables, distributed),
-            lambda: None,
-        )
+        if distributed:
+            # Multi-device branches stay lowered, as TensorFlow does them.
+            tf.cond(
+                finite,
+                lambda: self._inner_apply(grads, variables, True),
+                lambda: None,
+            )
+        else:
+            _cond_as_one_call(
+                finite, lambda: self._inner_apply(grads, variables, False)
+            )
         self._after_step(finite, finite_per_gradient)
 
     def _cross_replica_step(

@@ -1,0 +1,495 @@
+"""Where mixed_bfloat16 training memory goes, one variation at a time.
+
+Each row of the table changes one thing in the training step of the memory
+benchmark's models (`memory.py`: the MLP 784-4096-4096-10 at batch 8192, the
+CNN at batch 64, float32 logits, Adam) and measures it under float32 and
+mixed_bfloat16. Every (variation, policy) runs in a fresh subprocess, which
+traces the step, then runs `--steps` steps and reads TensorFlow's allocator
+peak during each (`tf.config.experimental.get_memory_info("CPU:0")`) minus
+what was allocated before the first step (weights, optimizer slots, the
+batch). The allocator counts tensor bytes, so the number does not depend on
+how the C library hands memory back; it does depend on the order in which
+TensorFlow's executor happens to run independent ops, which changes from step
+to step and from process to process. So every step is one sample: the table
+gives the median of all steps of all `--repeats` processes and their range,
+and the ratio of the two medians.
+
+Variations (combine them with "+", e.g. `lean-logits+fused-adam`):
+
+* `keras`: the benchmark as it is (Keras 3 layers, Keras 3 Adam).
+* `no-update`: forward and backward only; no optimizer step.
+* `sgd`: plain SGD instead of Adam.
+* `fused-adam`: Keras's Adam slots, updated in place by TensorFlow's
+  `ResourceApplyAdam` kernel (no temporaries the size of a weight).
+* `barrier`: every gradient is computed before the first update starts.
+* `bf16-input`: the batch is handed over in bfloat16 already.
+* `bf16-logits`: the last Dense computes in the policy's dtype and a float32
+  `Activation("linear")` casts the logits (Keras's guide's layout).
+* `lean-logits`: a float32 last Dense that keeps its bfloat16 input for the
+  backward pass and casts it again there, instead of keeping the float32
+  copy; the same numbers as `keras`.
+* `mean-no-upcast`: the CNN's global average pooling in the compute dtype
+  (Keras 3's `ops.mean` first casts bfloat16 inputs to float32).
+* `bias-add`: the CNN's convolutions add their bias with `tf.nn.bias_add`,
+  as tf_keras does (Keras 3 uses a broadcasting add).
+* `tf_keras`: the same model and Adam in tf_keras (Keras 2), run with
+  `--tf-keras-python` (an interpreter with tf_keras installed; this one if
+  omitted and tf_keras is importable, else the row is skipped).
+
+    python benchmarks/memory_breakdown.py             # both models, ~15 min
+    python benchmarks/memory_breakdown.py --models mlp --variants keras,sgd
+    python benchmarks/memory_breakdown.py --tf-keras-python /tmp/tfk/bin/python
+    python benchmarks/memory_breakdown.py --quick     # checks that it runs
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import report
+
+GOAL = 0.55
+POLICIES = ("float32", "mixed_bfloat16")
+MODELS = ("mlp", "cnn")
+SIZES = {
+    "mlp": {"inputs": 784, "units": 4096, "batch": 8192},
+    "cnn": {"image": 64, "filters": 64, "batch": 64},
+}
+QUICK_SIZES = {
+    "mlp": {"inputs": 784, "units": 64, "batch": 64},
+    "cnn": {"image": 16, "filters": 8, "batch": 4},
+}
+MODIFIERS = {
+    "keras": "the benchmark as it is",
+    "no-update": "forward and backward, no optimizer step",
+    "sgd": "plain SGD instead of Adam",
+    "fused-adam": "Adam through ResourceApplyAdam, in place",
+    "barrier": "all gradients before the first update",
+    "bf16-input": "batch handed over in bfloat16",
+    "bf16-logits": "last Dense in bfloat16, float32 Activation",
+    "lean-logits": "float32 last Dense keeps its bfloat16 input",
+    "mean-no-upcast": "global average pooling in bfloat16",
+    "bias-add": "convolutions add their bias with tf.nn.bias_add",
+    "tf_keras": "tf_keras (Keras 2) layers and Adam",
+}
+DEFAULT_VARIANTS = {
+    "mlp": (
+        "keras",
+        "tf_keras",
+        "no-update",
+        "sgd",
+        "fused-adam",
+        "barrier",
+        "bf16-input",
+        "bf16-logits",
+        "lean-logits",
+        "lean-logits+fused-adam",
+    ),
+    "cnn": (
+        "keras",
+        "tf_keras",
+        "no-update",
+        "fused-adam",
+        "bf16-input",
+        "mean-no-upcast",
+        "bias-add",
+        "bias-add+mean-no-upcast",
+    ),
+}
+MEGABYTE = 2**20
+
+
+# --- One measurement (runs in a child process) --------------------------------
+
+
+def _child(model_name: str, policy: str, variant: str, quick: bool, steps):
+    """Measures one configuration; prints its per-step peaks as JSON."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import numpy as np
+    import tensorflow as tf
+
+    flags = set(variant.split("+"))
+    if "tf_keras" in flags:
+        import tf_keras as k
+
+        k.mixed_precision.set_global_policy(policy)
+    else:
+        import keras as k
+
+        import kmp
+
+        kmp.set_global_policy(policy)
+    k.utils.set_random_seed(0)
+    sizes = (QUICK_SIZES if quick else SIZES)[model_name]
+    model = _build_model(k, tf, model_name, sizes, flags)
+    rng = np.random.default_rng(0)
+    if model_name == "mlp":
+        shape = (sizes["batch"], sizes["inputs"])
+    else:
+        shape = (sizes["batch"], sizes["image"], sizes["image"], 3)
+    x = tf.constant(rng.standard_normal(shape, dtype=np.float32))
+    if "bf16-input" in flags and policy == "mixed_bfloat16":
+        x = tf.cast(x, tf.bfloat16)
+    y = tf.constant(rng.integers(0, 10, (sizes["batch"],)).astype("int32"))
+    step = _make_step(k, tf, model, flags)
+    step.get_concrete_function(x, y)
+
+    memory = tf.config.experimental
+    before = memory.get_memory_info("CPU:0")["current"]
+    peaks = []
+    for _ in range(steps):
+        memory.reset_memory_stats("CPU:0")
+        loss = float(step(x, y).numpy())
+        peaks.append(memory.get_memory_info("CPU:0")["peak"] - before)
+    print(json.dumps({"peaks": peaks, "loss": loss}), flush=True)
+
+
+def _build_model(k, tf, name, sizes, flags):
+    """The memory benchmark's model, with the layers `flags` change."""
+    layers = k.layers
+
+    if "lean-logits" in flags:
+        logits = [_lean_dense_class(k, tf)(10, name="logits")]
+    elif "bf16-logits" in flags:
+        logits = [
+            layers.Dense(10, name="logits"),
+            layers.Activation("linear", dtype="float32"),
+        ]
+    else:
+        logits = [layers.Dense(10, dtype="float32", name="logits")]
+
+    if name == "mlp":
+        return k.Sequential(
+            [
+                k.Input((sizes["inputs"],)),
+                layers.Dense(sizes["units"], activation="relu"),
+                layers.Dense(sizes["units"], activation="relu"),
+                *logits,
+            ]
+        )
+
+    class BiasAddConv(k.layers.Layer):
+        """3x3 'same' convolution + tf.nn.bias_add + ReLU (as tf_keras)."""
+
+        def __init__(self, filters):
+            super().__init__()
+            self.filters = filters
+
+        def build(self, input_shape):
+            self.kernel = self.add_weight(
+                shape=(3, 3, input_shape[-1], self.filters),
+                initializer="glorot_uniform",
+            )
+            self.bias = self.add_weight(
+                shape=(self.filters,), initializer="zeros"
+            )
+
+        def call(self, inputs):
+            outputs = tf.nn.convolution(inputs, self.kernel, padding="SAME")
+            return tf.nn.relu(tf.nn.bias_add(outputs, self.bias))
+
+    class SpatialMean(k.layers.Layer):
+        """Global average pooling in the input's dtype."""
+
+        def call(self, inputs):
+            return tf.reduce_mean(inputs, axis=[1, 2])
+
+    def conv(filters):
+        if "bias-add" in flags:
+            return BiasAddConv(filters)
+        return layers.Conv2D(filters, 3, padding="same", activation="relu")
+
+    filters = sizes["filters"]
+    return k.Sequential(
+        [
+            k.Input((sizes["image"], sizes["image"], 3)),
+            conv(filters),
+            conv(filters),
+            layers.MaxPooling2D(),
+            conv(2 * filters),
+            conv(2 * filters),
+            SpatialMean()
+            if "mean-no-upcast" in flags
+            else layers.GlobalAveragePooling2D(),
+            *logits,
+        ]
+    )
+
+
+def _lean_dense_class(k, tf):
+    """A float32 Dense whose backward pass keeps its low-precision input.
+
+    A float32 layer fed bfloat16 activations casts them to float32, and the
+    MatMul's gradient keeps that float32 copy (twice the bytes) alive until
+    the backward pass reaches the layer. This layer keeps the bfloat16 input
+    instead and casts it again in the backward pass; a cast to a wider type
+    is exact, so the results are the same.
+    """
+
+    class LeanFloat32Dense(k.layers.Layer):
+        def __init__(self, units, **kwargs):
+            super().__init__(dtype="float32", **kwargs)
+            self.units = units
+            self._convert_input_args = False
+
+        def build(self, input_shape):
+            self.kernel = self.add_weight(
+                shape=(input_shape[-1], self.units),
+                initializer="glorot_uniform",
+            )
+            self.bias = self.add_weight(
+                shape=(self.units,), initializer="zeros"
+            )
+
+        def call(self, inputs):
+            @tf.custom_gradient
+            def matmul(low, kernel):
+                def grad(upstream):
+                    wide = tf.cast(low, tf.float32)
+                    d_wide = tf.matmul(upstream, kernel, transpose_b=True)
+                    d_kernel = tf.matmul(wide, upstream, transpose_a=True)
+                    return tf.cast(d_wide, low.dtype), d_kernel
+
+                return tf.matmul(tf.cast(low, tf.float32), kernel), grad
+
+            kernel = tf.convert_to_tensor(self.kernel)
+            if inputs.dtype == tf.float32:
+                outputs = tf.matmul(inputs, kernel)
+            else:
+                outputs = matmul(inputs, kernel)
+            # As Dense adds it, so the bias gradient sums in the same order.
+            return k.ops.add(outputs, self.bias)
+
+    return LeanFloat32Dense
+
+
+def _make_step(k, tf, model, flags):
+    """The training step (a tf.function of the batch) `flags` describe."""
+    loss_fn = k.losses.SparseCategoricalCrossentropy(from_logits=True)
+    variables = model.trainable_variables
+    if "sgd" in flags:
+        optimizer = k.optimizers.SGD(1e-4)
+    else:
+        optimizer = k.optimizers.Adam(1e-4)
+    optimizer.build(variables)
+
+    def fused_adam(grads):
+        # The same update as Keras 3's Adam.update_step, in one kernel that
+        # writes the variable and both slots in place.
+        step = tf.cast(optimizer.iterations + 1, tf.float32)
+        beta_1 = tf.constant(optimizer.beta_1, tf.float32)
+        beta_2 = tf.constant(optimizer.beta_2, tf.float32)
+        updates = []
+        for grad, variable in zip(grads, variables):
+            index = optimizer._get_variable_index(variable)
+            updates.append(
+                tf.raw_ops.ResourceApplyAdam(
+                    var=variable.value.handle,
+                    m=optimizer._momentums[index].value.handle,
+                    v=optimizer._velocities[index].value.handle,
+                    beta1_power=tf.pow(beta_1, step),
+                    beta2_power=tf.pow(beta_2, step),
+                    lr=tf.cast(optimizer.learning_rate, tf.float32),
+                    beta1=beta_1,
+                    beta2=beta_2,
+                    epsilon=tf.constant(optimizer.epsilon, tf.float32),
+                    grad=grad,
+                )
+            )
+        with tf.control_dependencies(updates):
+            optimizer.iterations.assign_add(1)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, variables)
+        if "no-update" in flags:
+            # Consume every gradient, so none is pruned, and keep none.
+            return loss + 0.0 * tf.add_n([tf.reduce_sum(g) for g in grads])
+        if "barrier" in flags:
+            with tf.control_dependencies(grads):
+                grads = [tf.identity(g) for g in grads]
+        if "fused-adam" in flags:
+            fused_adam(grads)
+        else:
+            optimizer.apply_gradients(zip(grads, variables))
+        return loss
+
+    return step
+
+
+# --- The table (parent process) -----------------------------------------------
+
+
+def _run_child(args, model, policy, variant, python):
+    command = [
+        python,
+        os.path.abspath(__file__),
+        "--child",
+        model,
+        policy,
+        variant,
+        "--steps",
+        str(args.steps),
+    ]
+    if args.quick:
+        command.append("--quick")
+    completed = subprocess.run(
+        command, capture_output=True, text=True, check=False
+    )
+    lines = completed.stdout.strip().splitlines()
+    if completed.returncode != 0 or not lines:
+        sys.stderr.write(completed.stderr[-3000:])
+        raise RuntimeError(
+            f"measuring {model} {policy} {variant} failed with exit code "
+            f"{completed.returncode}"
+        )
+    return json.loads(lines[-1])["peaks"]
+
+
+def _variant_list(text: str):
+    variants = text.split(",")
+    for variant in variants:
+        for modifier in variant.split("+"):
+            if modifier not in MODIFIERS:
+                raise argparse.ArgumentTypeError(
+                    f"unknown variation {modifier!r}; choose among "
+                    f"{', '.join(MODIFIERS)}"
+                )
+    return variants
+
+
+def _model_list(text: str):
+    models = text.split(",")
+    for model in models:
+        if model not in MODELS:
+            raise argparse.ArgumentTypeError(
+                f"unknown model {model!r}; choose among {', '.join(MODELS)}"
+            )
+    return models
+
+
+def _parser():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--models",
+        type=_model_list,
+        default=list(MODELS),
+        help="comma-separated, among mlp, cnn (default both)",
+    )
+    parser.add_argument(
+        "--variants",
+        type=_variant_list,
+        default=None,
+        help="comma-separated variations (default: all that apply to the "
+        "model; see the module docstring)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="subprocesses per configuration (default 2)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="measured steps per subprocess (default 6)",
+    )
+    parser.add_argument(
+        "--tf-keras-python",
+        default=None,
+        help="Python interpreter with tf_keras installed, for the tf_keras "
+        "rows (default: this one, if tf_keras is importable)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny sizes, one repeat of two steps: checks that it runs",
+    )
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    return parser
+
+
+def _summary(samples):
+    if not samples:
+        return "skipped", None
+    median = statistics.median(samples) / MEGABYTE
+    low, high = min(samples) / MEGABYTE, max(samples) / MEGABYTE
+    return f"{median:.0f} [{low:.0f}-{high:.0f}]", median
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 2 if args.quick else 6
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 2
+    if args.steps < 1 or args.repeats < 1:
+        parser.error("--steps and --repeats must be at least 1")
+    if args.child:
+        _child(*args.child, quick=args.quick, steps=args.steps)
+        return 0
+
+    tf_keras_python = args.tf_keras_python
+    if tf_keras_python is None and importlib.util.find_spec("tf_keras"):
+        tf_keras_python = sys.executable
+    report.print_machine("Training memory, variation by variation")
+    print(
+        f"{'measure':>16}: TensorFlow allocator peak per step minus what was "
+        f"allocated before; {args.steps} steps x {args.repeats} "
+        "subprocess(es) per cell: median [min-max] in MB (2**20 bytes)"
+    )
+    print(f"{'tf_keras python':>16}: {tf_keras_python or 'none: skipped'}")
+    if args.quick:
+        print(f"{'':>16}  --quick: tiny sizes; the numbers mean nothing")
+    print(flush=True)
+
+    rows = []
+    for model in args.models:
+        for variant in args.variants or DEFAULT_VARIANTS[model]:
+            python = sys.executable
+            if "tf_keras" in variant.split("+"):
+                python = tf_keras_python
+            cells, medians = [], []
+            for policy in POLICIES:
+                samples = []
+                for _ in range(args.repeats if python else 0):
+                    samples += _run_child(args, model, policy, variant, python)
+                text, median = _summary(samples)
+                cells.append(text)
+                medians.append(median)
+            if None in medians or not medians[0]:
+                ratio = "-"
+            else:
+                ratio = f"{medians[1] / medians[0]:.2f}x"
+            description = " + ".join(
+                MODIFIERS[name] for name in variant.split("+")
+            )
+            rows.append([model, variant, *cells, ratio, description])
+            print(f"  {'  '.join(rows[-1][:5])}", flush=True)
+    print()
+    report.print_table(
+        (
+            "model",
+            "variant",
+            "float32 MB",
+            "mixed_bfloat16 MB",
+            "ratio",
+            "what changes",
+        ),
+        rows,
+    )
+    print(f"Goal: mixed_bfloat16 / float32 <= {GOAL}x.")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,348 @@
+"""Tests for kmp.recurrent: recurrent weights cast once per call, not per step.
+
+Every comparison runs the same layer (same seed, same weights) with Keras's
+own time loop and with `kmp.recurrent` installed, and asserts that outputs
+and gradients are bit-identical.
+"""
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras.src.layers.rnn import rnn as keras_rnn
+
+import kmp
+from kmp import recurrent
+
+LAYERS = {
+    "lstm": keras.layers.LSTM,
+    "gru": keras.layers.GRU,
+    "simple_rnn": keras.layers.SimpleRNN,
+}
+OPTIONS = {
+    "last_output": {},
+    "return_sequences": {"return_sequences": True},
+    "go_backwards": {"go_backwards": True},
+    "masked": {"masked": True},
+    "stateful": {"stateful": True},
+    "unroll": {"unroll": True},
+    "return_state": {"return_state": True},
+}
+MODES = ["eager", "tf_function"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_installation():
+    """Leaves `kmp.recurrent` installed (or not) as the test found it."""
+    was_installed = recurrent.is_installed()
+    was_exact = recurrent._exact
+    yield
+    recurrent.uninstall()
+    if was_installed:
+        recurrent.install(exact=was_exact)
+
+
+def _inputs():
+    x = np.random.default_rng(0).standard_normal((3, 5, 4))
+    x[1, 3:] = 0.0  # Padding, for the masked runs.
+    return tf.constant(x.astype("float32"))
+
+
+def _set_installed(installed, exact=True):
+    if installed:
+        recurrent.install(exact=exact)
+    else:
+        recurrent.uninstall()
+
+
+def _run(layer_name, installed, mode="tf_function", exact=True, **options):
+    """Builds a seeded layer and returns its outputs and gradients (NumPy).
+
+    Runs two steps, so a stateful layer also starts from a carried state.
+    """
+    options = dict(options)
+    masked = options.pop("masked", False)
+    keras.utils.set_random_seed(1)
+    layer = LAYERS[layer_name](8, **options)
+    inputs = _inputs()
+    layer.build(inputs.shape)
+    _set_installed(installed, exact)
+
+    def step(inputs):
+        mask = tf.reduce_any(inputs != 0.0, axis=-1) if masked else None
+        with tf.GradientTape() as tape:
+            outputs = tf.nest.flatten(layer(inputs, mask=mask))
+            loss = tf.add_n(
+                [tf.reduce_sum(tf.cast(y, "float32") ** 2) for y in outputs]
+            )
+        return outputs, tape.gradient(loss, layer.trainable_variables)
+
+    if mode != "eager":
+        step = tf.function(step, jit_compile=mode == "jit")
+    results = []
+    for _ in range(2):
+        outputs, gradients = step(inputs)
+        results += [t.numpy() for t in outputs + gradients]
+    return results
+
+
+def _assert_identical(expected, actual):
+    assert len(expected) == len(actual)
+    for index, (a, b) in enumerate(zip(expected, actual)):
+        assert a.dtype == b.dtype, index
+        assert np.array_equal(a, b), f"result {index} differs"
+
+
+def _loop_graphs(graph):
+    """`{name: Counter of op types}` of the while-loop bodies in `graph`."""
+    bodies = {}
+    for function in graph._functions.values():
+        if not hasattr(function, "graph"):
+            continue
+        if "while_body" in function.graph.name:
+            bodies[function.graph.name] = collections.Counter(
+                op.type for op in function.graph.get_operations()
+            )
+        bodies.update(_loop_graphs(function.graph))
+    return bodies
+
+
+def _all_op_counts(graph):
+    counts = collections.Counter(op.type for op in graph.get_operations())
+    for function in graph._functions.values():
+        if hasattr(function, "graph"):
+            counts.update(_all_op_counts(function.graph))
+    return counts
+
+
+def _training_graph(layer_name):
+    """The graph of a forward and backward pass through a fresh layer."""
+    layer = LAYERS[layer_name](8)
+    inputs = _inputs()
+    layer.build(inputs.shape)
+
+    @tf.function
+    def step(inputs):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.cast(layer(inputs), "float32"))
+        return tape.gradient(loss, layer.trainable_variables)
+
+    return step.get_concrete_function(inputs).graph
+
+
+# --- Bit-identical results ----------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layer_name", list(LAYERS))
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_same_outputs_and_gradients_as_keras(policy, layer_name, mode):
+    kmp.set_global_policy(policy)
+    expected = _run(layer_name, installed=False, mode=mode)
+    actual = _run(layer_name, installed=True, mode=mode)
+    _assert_identical(expected, actual)
+
+
+def test_same_lstm_results_under_xla():
+    kmp.set_global_policy("mixed_bfloat16")
+    expected = _run("lstm", installed=False, mode="jit")
+    actual = _run("lstm", installed=True, mode="jit")
+    _assert_identical(expected, actual)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_same_lstm_results_with_layer_options(option, mode):
+    kmp.set_global_policy("mixed_bfloat16")
+    expected = _run("lstm", False, mode, **OPTIONS[option])
+    actual = _run("lstm", True, mode, **OPTIONS[option])
+    _assert_identical(expected, actual)
+
+
+@pytest.mark.parametrize("option", ["go_backwards", "masked", "stateful"])
+@pytest.mark.parametrize("layer_name", ["gru", "simple_rnn"])
+def test_same_results_with_layer_options(layer_name, option):
+    mode = "tf_function"
+    kmp.set_global_policy("mixed_bfloat16")
+    expected = _run(layer_name, False, mode, **OPTIONS[option])
+    actual = _run(layer_name, True, mode, **OPTIONS[option])
+    _assert_identical(expected, actual)
+
+
+def test_dropout_in_training_gives_same_results():
+    kmp.set_global_policy("mixed_bfloat16")
+
+    def run(installed):
+        keras.utils.set_random_seed(1)
+        layer = keras.layers.LSTM(8, dropout=0.5, recurrent_dropout=0.5)
+        inputs = _inputs()
+        layer.build(inputs.shape)
+        _set_installed(installed)
+        keras.utils.set_random_seed(2)
+        with tf.GradientTape() as tape:
+            outputs = layer(inputs, training=True)
+            loss = tf.reduce_sum(tf.cast(outputs, "float32"))
+        gradients = tape.gradient(loss, layer.trainable_variables)
+        return [outputs.numpy()] + [g.numpy() for g in gradients]
+
+    _assert_identical(run(False), run(True))
+
+
+def test_inexact_mode_same_outputs_close_gradients():
+    kmp.set_global_policy("mixed_bfloat16")
+    expected = _run("lstm", installed=False)
+    actual = _run("lstm", installed=True, exact=False)
+    # Outputs (first of each step's results) are the same; the gradients are
+    # summed over time steps in bfloat16, so they round differently.
+    np.testing.assert_array_equal(expected[0], actual[0])
+    for a, b in zip(expected, actual):
+        np.testing.assert_allclose(a, b, rtol=0.05, atol=0.05)
+
+
+# --- The graph ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layer_name", list(LAYERS))
+def test_loop_body_reads_and_casts_nothing(layer_name):
+    kmp.set_global_policy("mixed_bfloat16")
+    recurrent.uninstall()
+    keras_bodies = _loop_graphs(_training_graph(layer_name))
+    recurrent.install()
+    kmp_bodies = _loop_graphs(_training_graph(layer_name))
+
+    def forward_counts(bodies, op_type):
+        return [
+            counts[op_type]
+            for name, counts in bodies.items()
+            if "_grad" not in name
+        ]
+
+    # Keras reads and casts the weights at every step (the test's premise).
+    assert min(forward_counts(keras_bodies, "ReadVariableOp")) >= 2
+    assert min(forward_counts(keras_bodies, "Cast")) >= 2
+    assert set(forward_counts(kmp_bodies, "ReadVariableOp")) == {0}
+    assert set(forward_counts(kmp_bodies, "Cast")) == {0}
+
+
+@pytest.mark.parametrize("layer_name", list(LAYERS))
+def test_float32_graph_unchanged(layer_name):
+    recurrent.uninstall()
+    keras_counts = _all_op_counts(_training_graph(layer_name))
+    recurrent.install()
+    kmp_counts = _all_op_counts(_training_graph(layer_name))
+    assert kmp_counts == keras_counts
+    assert keras_counts["IdentityN"] == 0
+
+
+def test_variables_in_compute_dtype_are_left_alone():
+    kmp.set_global_policy("float16")
+    recurrent.uninstall()
+    keras_counts = _all_op_counts(_training_graph("lstm"))
+    recurrent.install()
+    assert _all_op_counts(_training_graph("lstm")) == keras_counts
+
+
+def test_custom_cell_keeps_keras_loop():
+    class Cell(keras.layers.Layer):
+        state_size = 4
+
+        def build(self, input_shape):
+            self.kernel = self.add_weight(shape=(input_shape[-1], 4))
+
+        def call(self, inputs, states):
+            output = keras.ops.matmul(inputs, self.kernel) + states[0]
+            return output, [output]
+
+    kmp.set_global_policy("mixed_bfloat16")
+    recurrent.install()
+    layer = keras.layers.RNN(Cell())
+    inputs = _inputs()
+    layer.build(inputs.shape)
+    bodies = _loop_graphs(
+        tf.function(layer).get_concrete_function(inputs).graph
+    )
+    assert {counts["Cast"] for counts in bodies.values()} == {1}
+
+
+# --- Installing ---------------------------------------------------------------
+
+
+def test_install_is_idempotent_and_uninstall_restores_keras():
+    recurrent.uninstall()
+    keras_inner_loop = keras_rnn.RNN.inner_loop
+    assert not recurrent.is_installed()
+    recurrent.install()
+    recurrent.install()
+    assert recurrent.is_installed()
+    assert keras_rnn.RNN.inner_loop is not keras_inner_loop
+    recurrent.uninstall()
+    recurrent.uninstall()
+    assert not recurrent.is_installed()
+    assert keras_rnn.RNN.inner_loop is keras_inner_loop
+
+
+def test_install_rejects_non_bool_exact():
+    with pytest.raises(TypeError, match="'exact' must be True or False"):
+        recurrent.install(exact="yes")
+
+
+# --- Distribution and saving --------------------------------------------------
+
+
+def _model():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential(
+        [
+            keras.Input((5, 4)),
+            keras.layers.LSTM(8, return_sequences=True),
+            keras.layers.GRU(8),
+            keras.layers.Dense(2, dtype="float32"),
+        ]
+    )
+
+
+def test_same_training_step_under_mirrored_strategy(two_replicas):
+    kmp.set_global_policy("mixed_bfloat16")
+    inputs = _inputs()
+    labels = np.array([0, 1, 0, 1][:3], dtype="int32")
+
+    def train(installed):
+        _set_installed(installed)
+        with two_replicas.scope():
+            model = _model()
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.1),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True
+                ),
+            )
+        model.fit(inputs, labels, batch_size=2, epochs=1, verbose=0)
+        return [v.numpy() for v in model.trainable_variables]
+
+    _assert_identical(train(False), train(True))
+
+
+def test_config_and_saved_model_unchanged(tmp_path):
+    kmp.set_global_policy("mixed_bfloat16")
+    inputs = _inputs()
+    recurrent.uninstall()
+    model = _model()
+    config = model.get_config()
+    expected = model(inputs).numpy()
+    recurrent.install()
+    assert model.get_config() == config
+    model.save(tmp_path / "model.keras")
+    model.export(tmp_path / "saved_model")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    np.testing.assert_array_equal(loaded(inputs).numpy(), expected)
+    restored = tf.saved_model.load(str(tmp_path / "saved_model"))
+    np.testing.assert_array_equal(restored.serve(inputs).numpy(), expected)
+
+
+def test_importing_kmp_installs_it():
+    # The autouse fixture restores whatever a test changed, so at the start
+    # of a test the state is the one importing kmp left.
+    assert recurrent.is_installed()
+    assert keras_rnn.RNN.inner_loop is recurrent._inner_loop
