@@ -227,8 +227,10 @@ def _lean_dense_class(k, tf):
     A float32 layer fed bfloat16 activations casts them to float32, and the
     MatMul's gradient keeps that float32 copy (twice the bytes) alive until
     the backward pass reaches the layer. This layer keeps the bfloat16 input
-    instead and casts it again in the backward pass; a cast to a wider type
-    is exact, so the results are the same.
+    instead and casts it again in the backward pass, where the kernel's
+    gradient is computed before the input's so the float32 copy and the
+    float32 input gradient never coexist. A cast to a wider type is exact,
+    so the results are the same.
     """
 
     class LeanFloat32Dense(k.layers.Layer):
@@ -251,8 +253,11 @@ def _lean_dense_class(k, tf):
             def matmul(low, kernel):
                 def grad(upstream):
                     wide = tf.cast(low, tf.float32)
-                    d_wide = tf.matmul(upstream, kernel, transpose_b=True)
                     d_kernel = tf.matmul(wide, upstream, transpose_a=True)
+                    # The float32 copy is freed before the float32 input
+                    # gradient is made: never both at once.
+                    with tf.control_dependencies([d_kernel]):
+                        d_wide = tf.matmul(upstream, kernel, transpose_b=True)
                     return tf.cast(d_wide, low.dtype), d_kernel
 
                 return tf.matmul(tf.cast(low, tf.float32), kernel), grad
@@ -422,7 +427,7 @@ def _summary(samples):
         return "skipped", None
     median = statistics.median(samples) / MEGABYTE
     low, high = min(samples) / MEGABYTE, max(samples) / MEGABYTE
-    return f"{median:.0f} [{low:.0f}-{high:.0f}]", median
+    return f"{median:.1f} [{low:.1f}-{high:.1f}]", median
 
 
 def main(argv=None) -> int:
