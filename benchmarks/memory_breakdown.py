@@ -16,7 +16,10 @@ and the ratio of the two medians.
 
 Variations (combine them with "+", e.g. `lean-logits+fused-adam`):
 
-* `keras`: the benchmark as it is (Keras 3 layers, Keras 3 Adam).
+* `keras`: the benchmark as it is (Keras 3 layers, Keras 3 Adam), with kmp
+  imported, so with kmp's bfloat16 mean (`kmp/mean.py`) and recurrent-layer
+  casts (`kmp/recurrent.py`) in effect.
+* `keras-as-is`: the same with those two uninstalled: Keras 3 alone.
 * `no-update`: forward and backward only; no optimizer step.
 * `sgd`: plain SGD instead of Adam.
 * `fused-adam`: Keras's Adam slots, updated in place by TensorFlow's
@@ -64,7 +67,8 @@ QUICK_SIZES = {
     "cnn": {"image": 16, "filters": 8, "batch": 4},
 }
 MODIFIERS = {
-    "keras": "the benchmark as it is",
+    "keras": "the benchmark as it is, through kmp",
+    "keras-as-is": "Keras 3 alone (kmp's mean and RNN casts off)",
     "no-update": "forward and backward, no optimizer step",
     "sgd": "plain SGD instead of Adam",
     "fused-adam": "Adam through ResourceApplyAdam, in place",
@@ -91,6 +95,7 @@ DEFAULT_VARIANTS = {
     ),
     "cnn": (
         "keras",
+        "keras-as-is",
         "tf_keras",
         "no-update",
         "fused-adam",
@@ -124,6 +129,9 @@ def _child(model_name: str, policy: str, variant: str, quick: bool, steps):
         import kmp
 
         kmp.set_global_policy(policy)
+        if "keras-as-is" in flags:
+            kmp.mean.uninstall()
+            kmp.recurrent.uninstall()
     k.utils.set_random_seed(0)
     sizes = (QUICK_SIZES if quick else SIZES)[model_name]
     model = _build_model(k, tf, model_name, sizes, flags)

@@ -6,7 +6,8 @@ the finite check only, a `tf.cond` around the update only (its predicate read
 from a variable, so it waits for nothing), the check feeding the cond (which
 TensorFlow lowers into the graph: one Switch op per tensor and variable the
 update uses), the same cond kept as one function call, and kmp and Keras as
-they are. Configurations are interleaved round by round and
+they are (kmp computes the update of a small model before the check and only
+its writes wait for it). Configurations are interleaved round by round and
 the medians printed as ratios to plain Adam. The policy is float32 by default
 because the optimizer's work does not depend on it and float32 steps are
 short enough to show it. Besides the step time it reports the CPU time each
@@ -33,7 +34,7 @@ VARIANTS = {
     "check": "unscale, check for inf/NaN, apply without a cond",
     "cond": "a tf.cond around the update; predicate from a variable",
     "check+cond": "unscale, check, and the check feeds the cond",
-    "check+call": "the same, the cond kept as one call (kmp's way)",
+    "check+call": "the same, the cond kept as one function call",
 }
 
 

@@ -1,6 +1,7 @@
 """kmp: mixed precision for Keras 3, the same in `fit` and in custom loops."""
 
 from kmp import callbacks
+from kmp import mean
 from kmp import mixed_precision
 from kmp import recurrent
 from kmp.auditing import AuditReport
@@ -18,6 +19,9 @@ __version__ = "0.1.0"
 # Recurrent layers cast their weights once per call, not once per time step
 # (bit-identical results; see kmp/recurrent.py).
 recurrent.install()
+# keras.ops.mean reduces bfloat16 without a float32 copy where that is
+# bit-identical (see kmp/mean.py).
+mean.install()
 
 __all__ = [
     "AuditReport",
@@ -28,6 +32,7 @@ __all__ = [
     "callbacks",
     "convert",
     "global_policy",
+    "mean",
     "mixed_precision",
     "policy_scope",
     "recurrent",

@@ -31,6 +31,9 @@ from typing import Mapping
 from typing import Optional
 from typing import Union
 
+from keras.src.backend.common.stateless_scope import in_stateless_scope
+from keras.src.backend.tensorflow.optimizer import TFOptimizer as _TFOptimizer
+from keras.src.optimizers import base_optimizer as _base_optimizer
 from keras.src.saving import serialization_lib
 from keras.src.trainers import trainer as _keras_trainer
 from tensorflow.python.ops import control_flow_util
@@ -335,12 +338,11 @@ def _cond_as_one_call(predicate, true_fn) -> None:
 
     Inside a `tf.function`, TensorFlow normally lowers a cond into its
     enclosing graph: every tensor and variable the branch uses passes through
-    its own Switch op, which for a whole optimizer update means a thousand
-    small ops per step for a 200-variable model, each costing the executor
-    time. Kept as a single `If` op, the branch runs as one function call
-    instead (`benchmarks/overhead_breakdown.py` measures the difference). The
-    update still waits for the predicate either way: a step is applied whole
-    or not at all.
+    its own Switch op, which for the writes of a whole update means a thousand
+    small ops per step for a 200-variable model. Kept as a single `If` op, the
+    branch runs as one function call instead. Only for branches without
+    arithmetic (Grappler optimizes a function body apart from its caller,
+    which could round differently).
     """
     graph = tf.compat.v1.get_default_graph()
     first_new_op = len(graph.get_operations())
@@ -352,6 +354,92 @@ def _cond_as_one_call(predicate, true_fn) -> None:
             control_flow_util_v2.maybe_set_lowering_attr(
                 op, lower_using_switch_merge=False
             )
+
+
+# Keras's optimizers whose whole update goes through `keras.Variable` writes
+# once their TensorFlow-specific writers (below) are swapped for the backend-
+# agnostic ones, and so can be computed in a `keras.StatelessScope`. Exact
+# types only: a subclass may write variables some other way.
+_DEFERRABLE_TYPES = tuple(
+    getattr(keras.optimizers, name)
+    for name in (
+        "SGD",
+        "Adam",
+        "AdamW",
+        "Adamax",
+        "Adagrad",
+        "Adadelta",
+        "Adafactor",
+        "Ftrl",
+        "Lamb",
+        "Lion",
+        "RMSprop",
+    )
+    if hasattr(keras.optimizers, name)
+)
+# Keras's TensorFlow optimizer writes through `tf.Variable`s here (for
+# tf.distribute), which a StatelessScope cannot see.
+_TF_WRITERS = (
+    "assign",
+    "assign_add",
+    "assign_sub",
+    "_apply_weight_decay",
+    "_backend_update_step",
+)
+_KERAS_APPLY = ("apply", "_backend_apply_gradients")
+# Above this many elements in all, the update is computed after the check, not
+# before: computing it first keeps every new value (variable and slots) alive
+# until the check, which costs more memory than it saves time for large
+# variables.
+_DEFER_MAX_ELEMENTS = 2**22
+
+
+def _can_compute_update_first(inner, grads, variables) -> bool:
+    """Whether `inner`'s update can be computed before it is committed."""
+    optimizer_type = type(inner)
+    if optimizer_type not in _DEFERRABLE_TYPES or in_stateless_scope():
+        return False
+    if any(
+        getattr(optimizer_type, name) is not getattr(_TFOptimizer, name)
+        for name in _TF_WRITERS
+    ) or any(
+        getattr(optimizer_type, name)
+        is not getattr(_base_optimizer.BaseOptimizer, name)
+        for name in _KERAS_APPLY
+    ):
+        return False
+    if inner.gradient_accumulation_steps or (
+        inner.use_ema and inner.ema_overwrite_frequency
+    ):
+        return False  # Keras runs these through conds of its own.
+    if inner.weight_decay is not None:
+        # Keras's backend-agnostic weight decay rounds differently from its
+        # TensorFlow one.
+        return False
+    if not all(isinstance(v, keras.Variable) for v in variables):
+        return False
+    if any(isinstance(g, tf.IndexedSlices) for g in grads):
+        return False
+    sizes = [v.shape.num_elements() for v in variables]
+    return None not in sizes and sum(sizes) <= _DEFER_MAX_ELEMENTS
+
+
+@contextlib.contextmanager
+def _writes_through_keras_variables(optimizer):
+    """Gives `optimizer` Keras's backend-agnostic variable writers.
+
+    They write with `keras.Variable.assign`, which a StatelessScope records
+    instead of applying. Single-device only: the TensorFlow writers exist for
+    tf.distribute.
+    """
+    for name in _TF_WRITERS:
+        method = getattr(_base_optimizer.BaseOptimizer, name)
+        setattr(optimizer, name, functools.partial(method, optimizer))
+    try:
+        yield
+    finally:
+        for name in _TF_WRITERS:
+            delattr(optimizer, name)
 
 
 _aggregation_lock = threading.Lock()
@@ -767,17 +855,50 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             )
             return
         if distributed:
-            # Multi-device branches stay lowered, as TensorFlow does them.
             tf.cond(
                 finite,
                 lambda: self._inner_apply(grads, variables, True),
                 lambda: None,
             )
+        elif _can_compute_update_first(self._inner_optimizer, grads, variables):
+            self._compute_then_commit(grads, variables, finite)
         else:
-            _cond_as_one_call(
-                finite, lambda: self._inner_apply(grads, variables, False)
+            # Lowered into the graph, as TensorFlow does it: Grappler then
+            # optimizes the update exactly as it would without the cond, so
+            # its arithmetic (and its rounding) is the inner optimizer's own.
+            tf.cond(
+                finite,
+                lambda: self._inner_apply(grads, variables, False),
+                lambda: None,
             )
         self._after_step(finite, finite_per_gradient)
+
+    def _compute_then_commit(self, grads, variables, finite):
+        """Computes the inner update now; writes it only if `finite`.
+
+        The inner optimizer runs in a `keras.StatelessScope`, which collects
+        the new value of every variable it would write (model variables,
+        slots, `iterations`) instead of writing it. Its arithmetic for each
+        variable can then run as soon as that variable's gradient exists,
+        alongside the rest of the backward pass, as with a plain optimizer;
+        only the writes wait for the finite check. The values are the ones
+        `apply` would write (the same Keras ops), so results are identical.
+        """
+        inner = self._inner_optimizer
+        with _writes_through_keras_variables(inner):
+            with keras.StatelessScope() as scope:
+                inner.apply(grads, variables)
+        updates = []
+        for variable in [*variables, *inner.variables]:
+            value = scope.get_current_value(variable)
+            if value is not None:
+                updates.append((variable, value))
+
+        def commit():
+            for variable, value in updates:
+                variable.assign(value)
+
+        _cond_as_one_call(finite, commit)
 
     def _cross_replica_step(
         self, distribution, grads, variables, finite, finite_per_gradient

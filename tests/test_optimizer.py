@@ -548,9 +548,9 @@ def test_any_non_finite_gradient_skips_the_step(mode, gradients):
 
 
 def test_update_runs_as_one_function_call_in_a_tf_function():
-    # The update is one `If` op kept out of TensorFlow's lowering into
-    # Switch/Merge ops (one per tensor and variable it uses), which costs
-    # small-variable models about a tenth of their step.
+    # On a small model the update is computed before the finite check and
+    # only its writes wait for it, in one `If` op kept out of TensorFlow's
+    # lowering into Switch/Merge ops (one per tensor and variable it uses).
     optimizer = LossScaleOptimizer(keras.optimizers.Adam())
     variables = [keras.Variable(np.ones(3, "float32")) for _ in range(4)]
     grads = [tf.ones(3) for _ in variables]
@@ -791,6 +791,132 @@ def test_gradients_may_be_clipped_between_unscaling_and_applying(mode):
     optimizer = LossScaleOptimizer(OPTIMIZERS["sgd"]())
     weights = _loop_weights(optimizer, mode, "contract", clip)
     _assert_weights_equal(weights, expected)
+
+
+# --- 5b. Computing the update before the check --------------------------------
+#
+# For Keras's own optimizers on small models, kmp computes the inner update
+# in a keras.StatelessScope and writes it only if the step is finite; in every
+# other case it runs the whole inner update inside the cond. Both must give
+# exactly what the inner optimizer alone gives, and skip exactly.
+
+INNER_OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "adamax": lambda: keras.optimizers.Adamax(0.01),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "adadelta": lambda: keras.optimizers.Adadelta(1.0),
+    "adafactor": lambda: keras.optimizers.Adafactor(0.1),
+    "ftrl": lambda: keras.optimizers.Ftrl(0.1),
+    "lamb": lambda: keras.optimizers.Lamb(0.01),
+    "lion": lambda: keras.optimizers.Lion(0.01),
+    "nadam": lambda: keras.optimizers.Nadam(0.01),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
+    "adam_clipnorm_ema": lambda: keras.optimizers.Adam(
+        0.01, clipnorm=0.5, use_ema=True
+    ),
+    "adam_ema_overwrite": lambda: keras.optimizers.Adam(
+        0.01, use_ema=True, ema_overwrite_frequency=2
+    ),
+    "sgd_accumulation": lambda: keras.optimizers.SGD(
+        0.1, gradient_accumulation_steps=2
+    ),
+}
+UPDATE_GRADIENTS = [
+    [[0.5, -1.0, 2.0], [[0.25, 0.0], [-0.5, 1.0]]],
+    [[0.1, 0.2, -0.3], [[1.0, -2.0], [0.5, 0.25]]],
+    [[-1.0, 0.5, 0.5], [[0.0, 0.75], [-0.25, 0.5]]],
+]
+
+
+def _update_variables():
+    # The second variable has a constraint, which `apply` also writes.
+    return [
+        keras.Variable([1.0, -2.0, 3.0], name="a"),
+        keras.Variable(
+            [[0.5, 1.5], [-1.0, 2.0]],
+            name="b",
+            constraint=keras.constraints.MaxNorm(2.0),
+        ),
+    ]
+
+
+def _state(optimizer, variables):
+    return [np.array(v) for v in [*variables, *optimizer.variables]]
+
+
+@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+@pytest.mark.parametrize(
+    "compute_first", [True, False], ids=["first", "in_cond"]
+)
+@pytest.mark.parametrize("optimizer_name", list(INNER_OPTIMIZERS))
+def test_update_matches_inner_optimizer_and_skips_exactly(
+    optimizer_name, compute_first, mode, monkeypatch
+):
+    from kmp import optimizer as kmp_optimizer
+
+    if not compute_first:
+        monkeypatch.setattr(kmp_optimizer, "_DEFER_MAX_ELEMENTS", 0)
+    plain = INNER_OPTIMIZERS[optimizer_name]()
+    plain_variables = _update_variables()
+    scaled = LossScaleOptimizer(
+        INNER_OPTIMIZERS[optimizer_name](), initial_scale=1
+    )
+    scaled_variables = _update_variables()
+
+    def stepper(optimizer, variables):
+        def step(grads):
+            optimizer.apply_gradients(zip(grads, variables))
+
+        return tf.function(step) if mode == "tf_function" else step
+
+    plain_step = stepper(plain, plain_variables)
+    scaled_step = stepper(scaled, scaled_variables)
+    for step, values in enumerate(UPDATE_GRADIENTS):
+        grads = [tf.constant(g, "float32") for g in values]
+        plain_step(grads)
+        scaled_step(grads)
+        expected = _state(plain, plain_variables)
+        actual = _state(scaled.inner_optimizer, scaled_variables)
+        for e, a in zip(expected, actual):
+            np.testing.assert_array_equal(a, e, err_msg=f"step {step}")
+
+    before = _state(scaled.inner_optimizer, scaled_variables)
+    bad = [tf.constant(UPDATE_GRADIENTS[0][0], "float32")]
+    bad.append(tf.constant([[1.0, NAN], [0.0, 1.0]], "float32"))
+    scaled_step(bad)
+    assert int(scaled.skipped_steps) == 1
+    for b, a in zip(before, _state(scaled.inner_optimizer, scaled_variables)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_which_updates_are_computed_before_the_check():
+    from kmp import optimizer as kmp_optimizer
+
+    can = kmp_optimizer._can_compute_update_first
+    small = [keras.Variable(np.ones((4, 4), "float32"))]
+    dense = [tf.ones((4, 4))]
+    assert can(keras.optimizers.Adam(), dense, small)
+
+    class MyAdam(keras.optimizers.Adam):
+        pass
+
+    assert not can(MyAdam(), dense, small)  # a subclass may write otherwise
+    assert not can(keras.optimizers.Nadam(), dense, small)  # own update
+    accumulate = keras.optimizers.SGD(gradient_accumulation_steps=2)
+    assert not can(accumulate, dense, small)
+    ema = keras.optimizers.Adam(use_ema=True, ema_overwrite_frequency=3)
+    assert not can(ema, dense, small)
+    sparse = [tf.IndexedSlices(tf.ones((1, 4)), tf.constant([0]), (4, 4))]
+    assert not can(keras.optimizers.Adam(), sparse, small)
+    assert not can(
+        keras.optimizers.Adam(), dense, [tf.Variable(tf.ones((4, 4)))]
+    )
+    decay = keras.optimizers.AdamW(weight_decay=0.1)
+    assert not can(decay, dense, small)
+    large = [keras.Variable(np.zeros((2049, 2048), "float32"))]
+    assert not can(keras.optimizers.Adam(), [tf.zeros((2049, 2048))], large)
 
 
 # --- 6. Dynamic and fixed scales, one step at a time --------------------------
