@@ -378,21 +378,11 @@ def _variant_list(text: str):
     return variants
 
 
-def _model_list(text: str):
-    models = text.split(",")
-    for model in models:
-        if model not in MODELS:
-            raise argparse.ArgumentTypeError(
-                f"unknown model {model!r}; choose among {', '.join(MODELS)}"
-            )
-    return models
-
-
 def _parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--models",
-        type=_model_list,
+        type=report.names_among(MODELS),
         default=list(MODELS),
         help="comma-separated, among mlp, cnn (default both)",
     )

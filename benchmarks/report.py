@@ -24,15 +24,23 @@ from typing import Sequence
 MODEL_NAMES = ("mlp", "many_small", "cnn", "transformer", "lstm")
 
 
-def model_names(text: str) -> List[str]:
-    """Parses a comma-separated `--models` value (an argparse type)."""
-    names = text.split(",")
-    for name in names:
-        if name not in MODEL_NAMES:
-            raise argparse.ArgumentTypeError(
-                f"unknown model {name!r}; choose among {', '.join(MODEL_NAMES)}"
-            )
-    return names
+def names_among(allowed: Sequence[str]):
+    """An argparse type: a comma-separated list of names from `allowed`."""
+
+    def parse(text: str) -> List[str]:
+        names = text.split(",")
+        for name in names:
+            if name not in allowed:
+                raise argparse.ArgumentTypeError(
+                    f"unknown model {name!r}; choose among {', '.join(allowed)}"
+                )
+        return names
+
+    return parse
+
+
+model_names = names_among(MODEL_NAMES)
+model_names.__doc__ = "Parses a comma-separated `--models` value."
 
 
 def add_models_argument(parser: argparse.ArgumentParser, default: str) -> None:
