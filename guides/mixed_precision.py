@@ -352,3 +352,14 @@ print("CPU has AMX BF16:", "amx_bf16" in cpu_flags)
 #   `tf.function(jit_compile=True)`): fusing the casts that mixed precision
 #   adds into the surrounding operations removes most of their cost.
 # * Check the speed-up on your own model before and after: `kmp bench`.
+# * Recurrent layers: Keras 3's `LSTM`, `GRU` and `SimpleRNN` read their
+#   weights inside the loop over time steps, so under a mixed policy they
+#   would cast them again at every step. Importing kmp makes them cast once
+#   per call (`kmp.recurrent`; same outputs and gradients, bit for bit). The
+#   benchmark LSTM trains 1.2-1.3x faster in bfloat16 than in float32 with it,
+#   about as fast as in float32 without it.
+# * Global average pooling: Keras 3 averages a bfloat16 tensor by first
+#   copying it to float32. With kmp imported the mean is taken in bfloat16
+#   directly wherever that gives exactly the same result (`kmp.mean`), which
+#   saves that copy and its float32 gradient: the benchmark CNN needs 0.55x of
+#   float32's training memory instead of 0.63x.
