@@ -363,13 +363,13 @@ def _cond_as_one_call(predicate, true_fn) -> None:
 # Keras's optimizers whose whole update goes through `keras.Variable` writes
 # once their TensorFlow-specific writers (below) are swapped for the backend-
 # agnostic ones, and so can be computed in a `keras.StatelessScope`. Exact
-# types only: a subclass may write variables some other way.
+# types only: a subclass may write variables some other way. (AdamW always
+# decays weights, which this path leaves out; see below.)
 _DEFERRABLE_TYPES = tuple(
     getattr(keras.optimizers, name)
     for name in (
         "SGD",
         "Adam",
-        "AdamW",
         "Adamax",
         "Adagrad",
         "Adadelta",
@@ -383,13 +383,7 @@ _DEFERRABLE_TYPES = tuple(
 )
 # Keras's TensorFlow optimizer writes through `tf.Variable`s here (for
 # tf.distribute), which a StatelessScope cannot see.
-_TF_WRITERS = (
-    "assign",
-    "assign_add",
-    "assign_sub",
-    "_apply_weight_decay",
-    "_backend_update_step",
-)
+_TF_WRITERS = ("assign", "assign_add", "assign_sub", "_backend_update_step")
 _KERAS_APPLY = ("apply", "_backend_apply_gradients")
 # Above this many elements in all, the update is computed after the check, not
 # before: computing it first keeps every new value (variable and slots) alive
@@ -417,8 +411,8 @@ def _can_compute_update_first(inner, grads, variables) -> bool:
     ):
         return False  # Keras runs these through conds of its own.
     if inner.weight_decay is not None:
-        # Keras's backend-agnostic weight decay rounds differently from its
-        # TensorFlow one.
+        # Keras's TensorFlow weight decay writes through `tf.Variable`s, and
+        # its backend-agnostic one rounds differently.
         return False
     if not all(isinstance(v, keras.Variable) for v in variables):
         return False
@@ -979,9 +973,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             def report():
                 tf.py_function(self._report_persistent_skips, [in_a_row], [])
 
-            # One function call: lowered, the py_function would sit in the
-            # step's own graph, which makes every step measurably slower.
-            _cond_as_one_call(reached, report)
+            tf.cond(reached, report, lambda: None)
 
     def _report_persistent_skips(self, in_a_row):
         message = (

@@ -562,13 +562,8 @@ def test_update_runs_as_one_function_call_in_a_tf_function():
 
     graph = step.get_concrete_function().graph
     conds = [op for op in graph.get_operations() if op.type.endswith("If")]
-    # The update's If takes every variable and slot; the other unlowered
-    # one (the persistent-skips report) takes a counter.
     update = [
-        op
-        for op in conds
-        if op.get_attr("_lower_using_switch_merge") is False
-        and len(op.inputs) > len(variables)
+        op for op in conds if op.get_attr("_lower_using_switch_merge") is False
     ]
     assert len(update) == 1, [op.name for op in conds]
 
