@@ -9,10 +9,10 @@ of skipped steps (in all and in a row). Every step it
 * checks them for inf/NaN, after aggregation, so every replica decides alike;
 * applies them with the inner optimizer only if all are finite; a skipped step
   leaves variables, the inner optimizer's slots and `iterations` untouched.
-  For Keras's own optimizers on models up to 4M parameters (single device),
-  the inner update is computed first, in a `keras.StatelessScope`, alongside
-  the backward pass, and only its writes wait for the check; otherwise the
-  whole update runs inside the cond;
+  For Keras's own optimizers on models up to 4M parameters (single device,
+  in a `tf.function`), the inner update is applied at once, alongside the
+  backward pass, and the state read just before it is written back if the
+  check fails; otherwise the whole update waits for the check, in a cond;
 * assigns the scale and counter that `kmp.loss_scale.next_dynamic_scale`
   returns (a fixed scale is left as it is).
 
@@ -36,8 +36,6 @@ from typing import Optional
 from typing import Union
 
 from keras.src.backend.common.stateless_scope import in_stateless_scope
-from keras.src.backend.tensorflow.optimizer import TFOptimizer as _TFOptimizer
-from keras.src.optimizers import base_optimizer as _base_optimizer
 from keras.src.saving import serialization_lib
 from keras.src.trainers import trainer as _keras_trainer
 from tensorflow.python.ops import control_flow_util
@@ -304,18 +302,34 @@ def _float32_sum(gradient) -> tf.Tensor:
 def _all_finite(gradients) -> tf.Tensor:
     """A bool scalar: whether all gradients are free of inf and NaN.
 
-    One reduction per gradient, each run as soon as its gradient exists, and
-    one addition of the sums: an inf or NaN in any gradient makes the total
-    inf or NaN. Its cost is one small op per gradient, which matters for
-    models with hundreds of small variables (`benchmarks/
+    An inf or NaN in any gradient makes any sum over it inf or NaN, so one
+    total suffices. Float32 and float64 gradients of one shape are first
+    added elementwise (one `AddN` per shape), then each group and every
+    other gradient (low-precision ones in float32) is reduced, and the sums
+    added: a few ops per shape rather than two per gradient, which matters
+    for models with hundreds of small variables (`benchmarks/
     overhead_breakdown.py`). A total beyond float32's range counts as
     non-finite too.
     """
-    sums = [
-        tf.cast(_float32_sum(g), tf.float32) for g in gradients if g is not None
-    ]
+    groups = {}
+    sums = []
+    for gradient in gradients:
+        if gradient is None:
+            continue
+        if isinstance(gradient, tf.IndexedSlices):
+            gradient = gradient.values
+        if gradient.dtype in (tf.float32, tf.float64) and (
+            gradient.shape.is_fully_defined()
+        ):
+            key = (tuple(gradient.shape), gradient.dtype)
+            groups.setdefault(key, []).append(gradient)
+        else:
+            sums.append(_float32_sum(gradient))
+    for group in groups.values():
+        sums.append(tf.reduce_sum(tf.add_n(group)))
     if not sums:
         return tf.constant(True)
+    sums = [tf.cast(total, tf.float32) for total in sums]
     return tf.math.is_finite(tf.add_n(sums))
 
 
@@ -342,11 +356,11 @@ def _cond_as_one_call(predicate, true_fn) -> None:
 
     Inside a `tf.function`, TensorFlow normally lowers a cond into its
     enclosing graph: every tensor and variable the branch uses passes through
-    its own Switch op, which for the writes of a whole update means a thousand
-    small ops per step for a 200-variable model. Kept as a single `If` op, the
-    branch runs as one function call instead. Only for branches without
-    arithmetic (Grappler optimizes a function body apart from its caller,
-    which could round differently).
+    its own Switch op, which for restoring a whole optimizer state means a
+    thousand small ops per step for a 200-variable model. Kept as a single
+    `If` op, the branch runs as one function call instead. Only for branches
+    without arithmetic (Grappler optimizes a function body apart from its
+    caller, which could round differently).
     """
     graph = tf.compat.v1.get_default_graph()
     first_new_op = len(graph.get_operations())
@@ -360,16 +374,15 @@ def _cond_as_one_call(predicate, true_fn) -> None:
             )
 
 
-# Keras's optimizers whose whole update goes through `keras.Variable` writes
-# once their TensorFlow-specific writers (below) are swapped for the backend-
-# agnostic ones, and so can be computed in a `keras.StatelessScope`. Exact
-# types only: a subclass may write variables some other way. (AdamW always
-# decays weights, which this path leaves out; see below.)
-_DEFERRABLE_TYPES = tuple(
+# Keras's own optimizers, which write nothing but the model's variables and
+# their own (`optimizer.variables`: slots, `iterations`, accumulators, EMA).
+# Exact types only: a subclass may keep state elsewhere.
+_RESTORABLE_TYPES = tuple(
     getattr(keras.optimizers, name)
     for name in (
         "SGD",
         "Adam",
+        "AdamW",
         "Adamax",
         "Adagrad",
         "Adadelta",
@@ -377,67 +390,62 @@ _DEFERRABLE_TYPES = tuple(
         "Ftrl",
         "Lamb",
         "Lion",
+        "Nadam",
         "RMSprop",
     )
     if hasattr(keras.optimizers, name)
 )
-# Keras's TensorFlow optimizer writes through `tf.Variable`s here (for
-# tf.distribute), which a StatelessScope cannot see.
-_TF_WRITERS = ("assign", "assign_add", "assign_sub", "_backend_update_step")
-_KERAS_APPLY = ("apply", "_backend_apply_gradients")
-# Above this many elements in all, the update is computed after the check, not
-# before: computing it first keeps every new value (variable and slots) alive
-# until the check, which costs more memory than it saves time for large
-# variables.
-_DEFER_MAX_ELEMENTS = 2**22
+# Above this many elements in all, the update waits for the check instead:
+# applying it first keeps the old value of every variable and slot alive (a
+# copy of each) until the check, which costs more memory and time than the
+# wait for large variables.
+_RESTORE_MAX_ELEMENTS = 2**22
 
 
-def _can_compute_update_first(inner, grads, variables) -> bool:
-    """Whether `inner`'s update can be computed before it is committed."""
-    optimizer_type = type(inner)
-    if optimizer_type not in _DEFERRABLE_TYPES or in_stateless_scope():
-        return False
-    if any(
-        getattr(optimizer_type, name) is not getattr(_TFOptimizer, name)
-        for name in _TF_WRITERS
-    ) or any(
-        getattr(optimizer_type, name)
-        is not getattr(_base_optimizer.BaseOptimizer, name)
-        for name in _KERAS_APPLY
-    ):
-        return False
-    if inner.gradient_accumulation_steps or (
-        inner.use_ema and inner.ema_overwrite_frequency
-    ):
-        return False  # Keras runs these through conds of its own.
-    if inner.weight_decay is not None:
-        # Keras's TensorFlow weight decay writes through `tf.Variable`s, and
-        # its backend-agnostic one rounds differently.
+def _can_apply_then_restore(inner, grads, variables) -> bool:
+    """Whether `inner`'s update can be applied before the finite check."""
+    if tf.executing_eagerly() or in_stateless_scope():
+        return False  # Eagerly, checking first costs nothing.
+    if type(inner) not in _RESTORABLE_TYPES:
         return False
     if not all(isinstance(v, keras.Variable) for v in variables):
         return False
     if any(isinstance(g, tf.IndexedSlices) for g in grads):
         return False
     sizes = [v.shape.num_elements() for v in variables]
-    return None not in sizes and sum(sizes) <= _DEFER_MAX_ELEMENTS
+    return None not in sizes and sum(sizes) <= _RESTORE_MAX_ELEMENTS
 
 
-@contextlib.contextmanager
-def _writes_through_keras_variables(optimizer):
-    """Gives `optimizer` Keras's backend-agnostic variable writers.
+def _read_now(variable) -> tf.Tensor:
+    """The variable's value at this point of the program, never autocast."""
+    handle = variable._value.handle
+    return tf.raw_ops.ReadVariableOp(resource=handle, dtype=variable.dtype)
 
-    They write with `keras.Variable.assign`, which a StatelessScope records
-    instead of applying. Single-device only: the TensorFlow writers exist for
-    tf.distribute.
+
+def _snapshot(variables):
+    """Reads `variables` now; returns a function that writes the values back.
+
+    Variables of one shape and dtype are read into one stacked tensor: a few
+    tensors to keep instead of one per variable, and once they are stacked
+    the variables' buffers are free to be updated in place (a pending read
+    would make TensorFlow copy a buffer before writing it).
     """
-    for name in _TF_WRITERS:
-        method = getattr(_base_optimizer.BaseOptimizer, name)
-        setattr(optimizer, name, functools.partial(method, optimizer))
-    try:
-        yield
-    finally:
-        for name in _TF_WRITERS:
-            delattr(optimizer, name)
+    groups = {}
+    for variable in variables:
+        key = (tuple(variable.shape), variable.dtype)
+        groups.setdefault(key, []).append(variable)
+    saved = []
+    for group in groups.values():
+        values = [_read_now(variable) for variable in group]
+        saved.append(values[0] if len(values) == 1 else tf.stack(values))
+
+    def restore():
+        for group, value in zip(groups.values(), saved):
+            values = [value] if len(group) == 1 else tf.unstack(value)
+            for variable, old_value in zip(group, values):
+                variable.assign(old_value)
+
+    return restore
 
 
 _aggregation_lock = threading.Lock()
@@ -507,7 +515,9 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             default; None turns the check off) something is persistently
             wrong: the optimizer warns once, naming the likely causes.
         on_persistent_skips: `"warn"` (default) or `"raise"`, which stops
-            training with a `FloatingPointError` instead.
+            training with a `FloatingPointError` instead (inside a
+            `tf.function`, as `fit` runs, TensorFlow raises it as a
+            `tf.errors.UnknownError` carrying that message).
         record_nonfinite: Whether to record which variables had non-finite
             gradients on the last skipped step (`nonfinite_variables`). Off by
             default, when it costs nothing.
@@ -858,8 +868,10 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                 lambda: self._inner_apply(grads, variables, True),
                 lambda: None,
             )
-        elif _can_compute_update_first(self._inner_optimizer, grads, variables):
-            self._compute_then_commit(grads, variables, finite)
+        elif _can_apply_then_restore(self._inner_optimizer, grads, variables):
+            restore = self._apply_keeping_old_state(grads, variables)
+            self._after_step(finite, finite_per_gradient, restore)
+            return
         else:
             # Lowered into the graph, as TensorFlow does it: Grappler then
             # optimizes the update exactly as it would without the cond, so
@@ -871,32 +883,22 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             )
         self._after_step(finite, finite_per_gradient)
 
-    def _compute_then_commit(self, grads, variables, finite):
-        """Computes the inner update now; writes it only if `finite`.
+    def _apply_keeping_old_state(self, grads, variables):
+        """Applies the inner update now; returns a function that undoes it.
 
-        The inner optimizer runs in a `keras.StatelessScope`, which collects
-        the new value of every variable it would write (model variables,
-        slots, `iterations`) instead of writing it. Its arithmetic for each
-        variable can then run as soon as that variable's gradient exists,
-        alongside the rest of the backward pass, as with a plain optimizer;
-        only the writes wait for the finite check. The values are the ones
-        `apply` would write (the same Keras ops), so results are identical.
+        The old value of every variable the inner optimizer may write (model
+        variables, slots, `iterations`) is read first, then the inner
+        optimizer applies its update exactly as it would alone: each
+        variable's update runs as soon as its gradient exists, alongside the
+        rest of the backward pass, instead of waiting for the finite check.
+        A value read is never changed by a later write (TensorFlow copies a
+        buffer rather than write it while a read of it is pending), so on a
+        skipped step `_after_step` writes the old values back, bit for bit.
         """
         inner = self._inner_optimizer
-        with _writes_through_keras_variables(inner):
-            with keras.StatelessScope() as scope:
-                inner.apply(grads, variables)
-        updates = []
-        for variable in [*variables, *inner.variables]:
-            value = scope.get_current_value(variable)
-            if value is not None:
-                updates.append((variable, value))
-
-        def commit():
-            for variable, value in updates:
-                variable.assign(value)
-
-        _cond_as_one_call(finite, commit)
+        restore = _snapshot([*variables, *inner.variables])
+        inner.apply(grads, variables)
+        return restore
 
     def _cross_replica_step(
         self, distribution, grads, variables, finite, finite_per_gradient
@@ -936,8 +938,14 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         )
         return [None if g is None else next(summed) for g in grads]
 
-    def _after_step(self, finite, finite_per_gradient):
-        """Updates the scale, the skip counters and the records of a step."""
+    def _after_step(self, finite, finite_per_gradient, restore=None):
+        """Updates the scale, the skip counters and the records of a step.
+
+        What only a skipped step needs (`restore`, which undoes an update
+        already applied, and the persistent-skips report) runs in one `If`
+        kept as a single function call: a step that is not skipped pays one
+        op for it.
+        """
         skipped = tf.cast(tf.logical_not(finite), tf.int64)
         self._skipped.assign_add(skipped)
         in_a_row = (self._skipped_in_a_row + skipped) * skipped
@@ -950,36 +958,46 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                     tf.logical_not(finite_per_gradient),
                 )
             )
+        scale = self._scale
         if self._dynamic:
             scale, counter = _rule.next_dynamic_scale(
                 self._scale, self._counter, finite, self._dynamic_growth_steps
             )
             self._scale.assign(scale)
             self._counter.assign(counter)
-        self._check_persistent_skips(in_a_row)
-
-    def _check_persistent_skips(self, in_a_row):
         limit = self._max_consecutive_skips
-        if limit is None:
-            return
-        reached = tf.equal(in_a_row, limit)
         if tf.executing_eagerly():
-            if bool(reached):
-                self._report_persistent_skips(in_a_row)
-        elif not _in_xla_context():
-            # py_function cannot run under XLA; there, LossScaleMonitor reports
-            # consecutive_skips from fit's logs instead.
+            if restore is not None and not bool(finite):
+                restore()
+            if limit is not None and int(in_a_row) == limit:
+                self._report_persistent_skips(in_a_row, scale)
+            return
+        # py_function cannot run under XLA; there, LossScaleMonitor reports
+        # consecutive_skips from fit's logs instead.
+        report = limit is not None and not _in_xla_context()
+        if restore is None and not report:
+            return
+        # A py_function outside a function call slows every step (by a tenth
+        # on the 202-variable model); here it only exists inside the If.
+        reached = tf.equal(in_a_row, limit) if report else None
+        scale = tf.convert_to_tensor(scale)
 
-            def report():
-                tf.py_function(self._report_persistent_skips, [in_a_row], [])
+        def report_persistent_skips():
+            tf.py_function(self._report_persistent_skips, [in_a_row, scale], [])
 
-            tf.cond(reached, report, lambda: None)
+        def when_skipped():
+            if restore is not None:
+                restore()
+            if report:
+                tf.cond(reached, report_persistent_skips, lambda: None)
 
-    def _report_persistent_skips(self, in_a_row):
+        _cond_as_one_call(tf.logical_not(finite), when_skipped)
+
+    def _report_persistent_skips(self, in_a_row, scale):
         message = (
             f"kmp.LossScaleOptimizer skipped the last {int(in_a_row)} steps in "
             "a row: every one had inf or NaN gradients, and the loss scale is "
-            f"now {float(self._scale.numpy()):g}. Likely causes: a layer "
+            f"now {float(scale):g}. Likely causes: a layer "
             "overflows in its forward pass (float16 activations above 65504) "
             "- find it with kmp.audit(model, x, y) and keep it in float32 "
             "with dtype='float32'; the loss or the final softmax is computed "

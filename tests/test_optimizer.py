@@ -516,14 +516,18 @@ def test_skipped_steps_counts_non_finite_steps():
     "gradients",
     [
         ([INF], [-INF]),  # each alone is inf; their sums add up to NaN
+        ([INF, 1.0], [1.0, -INF]),  # same shape, added elementwise first
         ([INF, -INF], [1.0]),  # cancels within one gradient: NaN
         ([3e38, 3e38], [1.0]),  # finite elements whose sum overflows
-        ([1.0], [NAN]),
+        ([3e38], [3e38]),  # finite gradients whose elementwise sum does
+        ([1.0, 2.0], [NAN, 1.0], [3.0]),
     ],
     ids=[
         "inf_in_one_minus_inf_in_other",
+        "inf_and_minus_inf_in_same_shapes",
         "inf_minus_inf",
         "sum_overflow",
+        "elementwise_overflow",
         "nan",
     ],
 )
@@ -547,9 +551,29 @@ def test_any_non_finite_gradient_skips_the_step(mode, gradients):
         np.testing.assert_array_equal(np.array(variable), 1.0)
 
 
-def test_update_runs_as_one_function_call_in_a_tf_function():
-    # On a small model the update is computed before the finite check and
-    # only its writes wait for it, in one `If` op kept out of TensorFlow's
+@pytest.mark.parametrize("mode", MODES)
+def test_finite_gradients_that_cancel_are_applied(mode):
+    # Same-shape gradients are added elementwise for the check: large values
+    # that cancel there must not be mistaken for anything else.
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=1)
+    variables = [keras.Variable([0.0, 0.0]), keras.Variable([0.0, 0.0])]
+    grads = [tf.constant([1e38, -2.0]), tf.constant([-1e38, 2.0])]
+
+    def step():
+        optimizer.apply_gradients(zip(grads, variables))
+
+    if mode != "eager":
+        step = tf.function(step, jit_compile=mode == "jit")
+    step()
+    assert int(optimizer.skipped_steps) == 0
+    expected = np.array([-1e38, 2.0], "float32")
+    np.testing.assert_array_equal(np.array(variables[0]), expected)
+    np.testing.assert_array_equal(np.array(variables[1]), -expected)
+
+
+def test_skipped_update_is_restored_in_one_function_call():
+    # On a small model the update is applied at once and a failed check
+    # writes the old state back, in one `If` op kept out of TensorFlow's
     # lowering into Switch/Merge ops (one per tensor and variable it uses).
     optimizer = LossScaleOptimizer(keras.optimizers.Adam())
     variables = [keras.Variable(np.ones(3, "float32")) for _ in range(4)]
@@ -562,10 +586,21 @@ def test_update_runs_as_one_function_call_in_a_tf_function():
 
     graph = step.get_concrete_function().graph
     conds = [op for op in graph.get_operations() if op.type.endswith("If")]
-    update = [
+    restore = [
         op for op in conds if op.get_attr("_lower_using_switch_merge") is False
     ]
-    assert len(update) == 1, [op.name for op in conds]
+    assert len(restore) == 1, [op.name for op in conds]
+    # The persistent-skips report (a py_function) lives inside that If only:
+    # in the step's own graph it slows every step.
+    types = {op.type for op in graph.get_operations()}
+    assert not types & {"EagerPyFunc", "PyFunc"}
+    # The update itself is outside any cond: Adam's writes are in the graph.
+    writes = [
+        op
+        for op in graph.get_operations()
+        if op.type in ("AssignAddVariableOp", "AssignSubVariableOp")
+    ]
+    assert len(writes) >= 2 * len(variables)
 
 
 # --- 3. get_scaled_loss -------------------------------------------------------
@@ -793,12 +828,13 @@ def test_gradients_may_be_clipped_between_unscaling_and_applying(mode):
     _assert_weights_equal(weights, expected)
 
 
-# --- 5b. Computing the update before the check --------------------------------
+# --- 5b. Applying the update before the check --------------------------------
 #
-# For Keras's own optimizers on small models, kmp computes the inner update
-# in a keras.StatelessScope and writes it only if the step is finite; in every
-# other case it runs the whole inner update inside the cond. Both must give
-# exactly what the inner optimizer alone gives, and skip exactly.
+# For Keras's own optimizers on small models in a tf.function, kmp applies the
+# inner update at once and writes the state read just before it back if the
+# step was not finite; in every other case it runs the whole inner update
+# inside the cond. Both must give exactly what the inner optimizer alone
+# gives, and skip exactly.
 
 INNER_OPTIMIZERS = {
     "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
@@ -847,17 +883,15 @@ def _state(optimizer, variables):
 
 
 @pytest.mark.parametrize("mode", ["eager", "tf_function"])
-@pytest.mark.parametrize(
-    "compute_first", [True, False], ids=["first", "in_cond"]
-)
+@pytest.mark.parametrize("apply_first", [True, False], ids=["first", "in_cond"])
 @pytest.mark.parametrize("optimizer_name", list(INNER_OPTIMIZERS))
 def test_update_matches_inner_optimizer_and_skips_exactly(
-    optimizer_name, compute_first, mode, monkeypatch
+    optimizer_name, apply_first, mode, monkeypatch
 ):
     from kmp import optimizer as kmp_optimizer
 
-    if not compute_first:
-        monkeypatch.setattr(kmp_optimizer, "_DEFER_MAX_ELEMENTS", 0)
+    if not apply_first:
+        monkeypatch.setattr(kmp_optimizer, "_RESTORE_MAX_ELEMENTS", 0)
     plain = INNER_OPTIMIZERS[optimizer_name]()
     plain_variables = _update_variables()
     scaled = LossScaleOptimizer(
@@ -891,32 +925,100 @@ def test_update_matches_inner_optimizer_and_skips_exactly(
         np.testing.assert_array_equal(a, b)
 
 
-def test_which_updates_are_computed_before_the_check():
+def test_which_updates_are_applied_before_the_check():
     from kmp import optimizer as kmp_optimizer
 
-    can = kmp_optimizer._can_compute_update_first
+    decide = kmp_optimizer._can_apply_then_restore
+
+    def can(inner, grads, variables, eager=False):
+        if eager:
+            return decide(inner, grads, variables)
+        answers = []
+
+        @tf.function
+        def trace():
+            answers.append(decide(inner, grads, variables))
+
+        trace.get_concrete_function()
+        return answers[0]
+
     small = [keras.Variable(np.ones((4, 4), "float32"))]
     dense = [tf.ones((4, 4))]
-    assert can(keras.optimizers.Adam(), dense, small)
+    for name in INNER_OPTIMIZERS:
+        assert can(INNER_OPTIMIZERS[name](), dense, small), name
+    assert not can(keras.optimizers.Adam(), dense, small, eager=True)
 
     class MyAdam(keras.optimizers.Adam):
         pass
 
-    assert not can(MyAdam(), dense, small)  # a subclass may write otherwise
-    assert not can(keras.optimizers.Nadam(), dense, small)  # own update
-    accumulate = keras.optimizers.SGD(gradient_accumulation_steps=2)
-    assert not can(accumulate, dense, small)
-    ema = keras.optimizers.Adam(use_ema=True, ema_overwrite_frequency=3)
-    assert not can(ema, dense, small)
+    assert not can(MyAdam(), dense, small)  # it may keep state elsewhere
     sparse = [tf.IndexedSlices(tf.ones((1, 4)), tf.constant([0]), (4, 4))]
     assert not can(keras.optimizers.Adam(), sparse, small)
     assert not can(
         keras.optimizers.Adam(), dense, [tf.Variable(tf.ones((4, 4)))]
     )
-    decay = keras.optimizers.AdamW(weight_decay=0.1)
-    assert not can(decay, dense, small)
     large = [keras.Variable(np.zeros((2049, 2048), "float32"))]
     assert not can(keras.optimizers.Adam(), [tf.zeros((2049, 2048))], large)
+
+
+# --- 5c. Persistent skips -----------------------------------------------------
+
+SKIP_PATHS = ["eager", "first", "in_cond"]
+
+
+def _skip_stepper(optimizer, path, monkeypatch):
+    from kmp import optimizer as kmp_optimizer
+
+    if path == "in_cond":
+        monkeypatch.setattr(kmp_optimizer, "_RESTORE_MAX_ELEMENTS", 0)
+    variable = keras.Variable([1.0])
+
+    def step(value):
+        optimizer.apply_gradients([(tf.constant([value]), variable)])
+
+    return step if path == "eager" else tf.function(step)
+
+
+@pytest.mark.parametrize("path", SKIP_PATHS)
+def test_persistent_skips_warn_once_with_the_scale(path, monkeypatch):
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), max_consecutive_skips=3
+    )
+    step = _skip_stepper(optimizer, path, monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(INF)
+        step(NAN)
+        assert not [w for w in caught if w.category is RuntimeWarning]
+        step(INF)
+        reports = [w for w in caught if w.category is RuntimeWarning]
+        assert len(reports) == 1
+        message = str(reports[0].message)
+        assert "skipped the last 3 steps in a row" in message
+        assert "the loss scale is now 4096." in message
+        step(1.0)
+        for _ in range(3):
+            step(INF)
+    reports = [w for w in caught if w.category is RuntimeWarning]
+    assert len(reports) == 1  # once per optimizer
+    assert int(optimizer.skipped_steps) == 6
+    assert int(optimizer.iterations) == 1
+
+
+@pytest.mark.parametrize("path", SKIP_PATHS)
+def test_persistent_skips_raise_when_asked(path, monkeypatch):
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1),
+        max_consecutive_skips=2,
+        on_persistent_skips="raise",
+    )
+    step = _skip_stepper(optimizer, path, monkeypatch)
+    step(INF)
+    # Inside a tf.function TensorFlow re-raises it as an UnknownError whose
+    # message starts with the FloatingPointError.
+    expected = FloatingPointError if path == "eager" else tf.errors.UnknownError
+    with pytest.raises(expected, match="skipped the last 2 steps in a row"):
+        step(INF)
 
 
 # --- 6. Dynamic and fixed scales, one step at a time --------------------------
