@@ -5,18 +5,23 @@ plain Adam and with kmp's loss-scale optimizer taken apart: unscaling only,
 the finite check only, a `tf.cond` around the update only (its predicate read
 from a variable, so it waits for nothing), the check feeding the cond (which
 TensorFlow lowers into the graph: one Switch op per tensor and variable the
-update uses), the same cond kept as one function call, and kmp and Keras as
-they are (kmp computes the update of a small model before the check and only
-its writes wait for it). Configurations are interleaved round by round and
+update uses), the same cond kept as one function call, the previous
+release's formulation (the update computed in a `keras.StatelessScope`, its
+writes committed after the check), kmp as it is with the persistent-skips
+report put back in the step's graph as before, and kmp and Keras as they are
+(kmp applies the update of a small model at once and undoes it on a skipped
+step). Configurations are interleaved round by round and
 the medians printed as ratios to plain Adam. The policy is float32 by default
 because the optimizer's work does not depend on it and float32 steps are
 short enough to show it. Besides the step time it reports the CPU time each
 step costs the process, which a busy machine disturbs less.
 
     python benchmarks/overhead_breakdown.py [--policy mixed_float16]
+        [--variants plain,compute-first,kmp]
 """
 
 import argparse
+import functools
 import os
 import time
 
@@ -25,6 +30,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from keras.src.optimizers import base_optimizer  # noqa: E402
 
 import kmp  # noqa: E402
 from kmp import optimizer as kmp_optimizer  # noqa: E402
@@ -35,7 +41,12 @@ VARIANTS = {
     "cond": "a tf.cond around the update; predicate from a variable",
     "check+cond": "unscale, check, and the check feeds the cond",
     "check+call": "the same, the cond kept as one function call",
+    "compute-first": "previous release: update computed, writes after check",
+    "report-in-graph": "kmp, its persistent-skips report in the step's graph",
 }
+# Keras's TensorFlow optimizer writes through these `tf.Variable` methods,
+# which a StatelessScope cannot see; the backend-agnostic ones it can.
+_TF_WRITERS = ("assign", "assign_add", "assign_sub", "_backend_update_step")
 
 
 class _Variant(kmp.LossScaleOptimizer):
@@ -63,12 +74,64 @@ class _Variant(kmp.LossScaleOptimizer):
             self._skipped.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
 
 
+class _ComputeFirst(kmp.LossScaleOptimizer):
+    """The previous release: compute in a StatelessScope, commit if finite."""
+
+    def _apply_step(self, grads, variables, scaled):
+        grads = kmp_optimizer._unscale_gradients(grads, self.loss_scale)
+        finite = kmp_optimizer._all_finite(grads)
+        inner = self.inner_optimizer
+        for name in _TF_WRITERS:
+            method = getattr(base_optimizer.BaseOptimizer, name)
+            setattr(inner, name, functools.partial(method, inner))
+        try:
+            with keras.StatelessScope() as scope:
+                inner.apply(grads, variables)
+        finally:
+            for name in _TF_WRITERS:
+                delattr(inner, name)
+        updates = [
+            (variable, scope.get_current_value(variable))
+            for variable in [*variables, *inner.variables]
+        ]
+
+        def commit():
+            for variable, value in updates:
+                if value is not None:
+                    variable.assign(value)
+
+        kmp_optimizer._cond_as_one_call(finite, commit)
+        self._after_step(finite, None)
+
+
+class _ReportInGraph(kmp.LossScaleOptimizer):
+    """kmp, plus the persistent-skips report as the previous release had it:
+    a lowered cond around a py_function in the step's own graph."""
+
+    def _after_step(self, finite, finite_per_gradient, restore=None):
+        super()._after_step(finite, finite_per_gradient, restore)
+        reached = tf.equal(self._skipped_in_a_row, 1000)
+
+        def report():
+            tf.py_function(lambda: None, [], [])
+
+        tf.cond(reached, report, lambda: None)
+
+
 def _optimizer(kind):
     inner = keras.optimizers.Adam()
     if kind == "plain":
         return inner
     if kind == "kmp":
         return kmp.LossScaleOptimizer(inner)
+    if kind == "compute-first":
+        return _ComputeFirst(
+            inner, name="compute_first", max_consecutive_skips=None
+        )
+    if kind == "report-in-graph":
+        return _ReportInGraph(
+            inner, name="report_in_graph", max_consecutive_skips=None
+        )
     if kind == "keras":
         return keras.optimizers.LossScaleOptimizer(inner)
     variant = type(kind, (_Variant,), {"parts": tuple(kind.split("+"))})
@@ -107,9 +170,25 @@ def main():
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument(
+        "--variants",
+        default=",".join(["plain", *VARIANTS, "kmp", "keras"]),
+        help="comma-separated, among: plain, kmp, keras, "
+        + ", ".join(VARIANTS)
+        + " (default all)",
+    )
     args = parser.parse_args()
+    kinds = args.variants.split(",")
+    allowed = {"plain", "kmp", "keras", *VARIANTS}
+    unknown = [kind for kind in kinds if kind not in allowed]
+    if unknown:
+        parser.error(
+            f"unknown variant(s) {', '.join(unknown)} in --variants; "
+            f"allowed: {', '.join(sorted(allowed))}"
+        )
+    if "plain" not in kinds:
+        kinds.insert(0, "plain")  # the base of every ratio
     kmp.set_global_policy(args.policy)
-    kinds = ["plain", *VARIANTS, "kmp", "keras"]
     steps = {kind: _step_function(kind, args.layers, 32, 64) for kind in kinds}
     for step in steps.values():
         for _ in range(args.warmup):
@@ -141,7 +220,7 @@ def main():
         cpu = np.median(cpu_times[kind])
         what = VARIANTS.get(kind, {"plain": "Adam alone"}.get(kind, "as is"))
         print(
-            f"{kind:11s} {median * 1e3:7.3f} ms {median / base:5.3f}x  "
+            f"{kind:15s} {median * 1e3:7.3f} ms {median / base:5.3f}x  "
             f"cpu {cpu * 1e3:7.3f} ms {cpu / cpu_base:5.3f}x  {what}"
         )
 

@@ -423,12 +423,13 @@ def _read_now(variable) -> tf.Tensor:
 
 
 def _snapshot(variables):
-    """Reads `variables` now; returns a function that writes the values back.
+    """Reads `variables` now; returns a function that writes those values back.
 
-    Variables of one shape and dtype are read into one stacked tensor: a few
-    tensors to keep instead of one per variable, and once they are stacked
-    the variables' buffers are free to be updated in place (a pending read
-    would make TensorFlow copy a buffer before writing it).
+    The function returns its write ops. Variables of one shape and dtype are
+    read into one stacked tensor: a few tensors to keep instead of one per
+    variable, and once they are stacked the variables' buffers are free to
+    be updated in place (a pending read would make TensorFlow copy a buffer
+    before writing it).
     """
     groups = {}
     for variable in variables:
@@ -440,10 +441,16 @@ def _snapshot(variables):
         saved.append(values[0] if len(values) == 1 else tf.stack(values))
 
     def restore():
+        writes = []
         for group, value in zip(groups.values(), saved):
             values = [value] if len(group) == 1 else tf.unstack(value)
             for variable, old_value in zip(group, values):
-                variable.assign(old_value)
+                writes.append(
+                    tf.raw_ops.AssignVariableOp(
+                        resource=variable._value.handle, value=old_value
+                    )
+                )
+        return writes
 
     return restore
 
@@ -986,10 +993,12 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             tf.py_function(self._report_persistent_skips, [in_a_row, scale], [])
 
         def when_skipped():
-            if restore is not None:
-                restore()
+            restored = restore() if restore is not None else []
             if report:
-                tf.cond(reached, report_persistent_skips, lambda: None)
+                # After the state is back: "raise" must not stop a step
+                # that is half undone.
+                with tf.control_dependencies(restored):
+                    tf.cond(reached, report_persistent_skips, lambda: None)
 
         _cond_as_one_call(tf.logical_not(finite), when_skipped)
 

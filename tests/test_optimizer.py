@@ -976,7 +976,7 @@ def _skip_stepper(optimizer, path, monkeypatch):
     def step(value):
         optimizer.apply_gradients([(tf.constant([value]), variable)])
 
-    return step if path == "eager" else tf.function(step)
+    return (step if path == "eager" else tf.function(step)), variable
 
 
 @pytest.mark.parametrize("path", SKIP_PATHS)
@@ -984,7 +984,7 @@ def test_persistent_skips_warn_once_with_the_scale(path, monkeypatch):
     optimizer = LossScaleOptimizer(
         keras.optimizers.SGD(0.1), max_consecutive_skips=3
     )
-    step = _skip_stepper(optimizer, path, monkeypatch)
+    step, _ = _skip_stepper(optimizer, path, monkeypatch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step(INF)
@@ -1012,13 +1012,18 @@ def test_persistent_skips_raise_when_asked(path, monkeypatch):
         max_consecutive_skips=2,
         on_persistent_skips="raise",
     )
-    step = _skip_stepper(optimizer, path, monkeypatch)
+    step, variable = _skip_stepper(optimizer, path, monkeypatch)
+    step(1.0)
     step(INF)
     # Inside a tf.function TensorFlow re-raises it as an UnknownError whose
     # message starts with the FloatingPointError.
     expected = FloatingPointError if path == "eager" else tf.errors.UnknownError
     with pytest.raises(expected, match="skipped the last 2 steps in a row"):
         step(INF)
+    # The step that raised was skipped like any other: nothing changed.
+    np.testing.assert_array_equal(np.array(variable), np.float32([0.9]))
+    assert int(optimizer.iterations) == 1
+    assert int(optimizer.inner_optimizer.iterations) == 1
 
 
 # --- 6. Dynamic and fixed scales, one step at a time --------------------------
