@@ -8,7 +8,8 @@ of skipped steps (in all and in a row). Every step it
 * divides them by the scale if they came from `scale_loss` (the `fit` path);
 * checks them for inf/NaN, after aggregation, so every replica decides alike;
 * applies them with the inner optimizer only if all are finite; a skipped step
-  leaves variables, the inner optimizer's slots and `iterations` untouched.
+  ends with variables, the inner optimizer's slots and `iterations` exactly
+  as they were.
   For Keras's own optimizers on models up to 4M parameters (single device,
   in a `tf.function`), the inner update is applied at once, alongside the
   backward pass, and the state read just before it is written back if the
@@ -972,6 +973,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             )
             self._scale.assign(scale)
             self._counter.assign(counter)
+        scale = tf.convert_to_tensor(scale)
         limit = self._max_consecutive_skips
         if tf.executing_eagerly():
             if restore is not None and not bool(finite):
@@ -987,7 +989,6 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         # A py_function outside a function call slows every step (by a tenth
         # on the 202-variable model); here it only exists inside the If.
         reached = tf.equal(in_a_row, limit) if report else None
-        scale = tf.convert_to_tensor(scale)
 
         def report_persistent_skips():
             tf.py_function(self._report_persistent_skips, [in_a_row, scale], [])

@@ -961,6 +961,32 @@ def test_which_updates_are_applied_before_the_check():
     assert not can(keras.optimizers.Adam(), [tf.zeros((2049, 2048))], large)
 
 
+def test_fit_skips_a_nan_batch_within_steps_per_execution():
+    # With steps_per_execution, fit runs several steps in one tf.function
+    # (a loop); the skipped step must be undone inside it like any other.
+    x = np.concatenate([X, X]).copy()
+    x[9, 1] = NAN  # the second of six batches
+    y = np.concatenate([Y, Y])
+    results = []
+    for steps_per_execution in (1, 3):
+        optimizer = LossScaleOptimizer(
+            keras.optimizers.Adam(0.01), initial_scale=8
+        )
+        model = _model()
+        model.compile(
+            optimizer=optimizer,
+            loss="mse",
+            steps_per_execution=steps_per_execution,
+        )
+        model.fit(x, y, batch_size=BATCH_SIZE, shuffle=False, verbose=0)
+        assert int(optimizer.skipped_steps) == 1
+        assert int(optimizer.iterations) == 5
+        results.append(model.get_weights())
+    for one, three in zip(*results):
+        assert np.all(np.isfinite(three))
+        np.testing.assert_array_equal(three, one)
+
+
 # --- 5c. Persistent skips -----------------------------------------------------
 
 SKIP_PATHS = ["eager", "first", "in_cond"]
@@ -1009,6 +1035,8 @@ def test_persistent_skips_warn_once_with_the_scale(path, monkeypatch):
 def test_persistent_skips_raise_when_asked(path, monkeypatch):
     optimizer = LossScaleOptimizer(
         keras.optimizers.SGD(0.1),
+        dynamic=False,
+        initial_scale=128,
         max_consecutive_skips=2,
         on_persistent_skips="raise",
     )
@@ -1019,7 +1047,11 @@ def test_persistent_skips_raise_when_asked(path, monkeypatch):
     # message starts with the FloatingPointError.
     expected = FloatingPointError if path == "eager" else tf.errors.UnknownError
     with pytest.raises(expected, match="skipped the last 2 steps in a row"):
-        step(INF)
+        try:
+            step(INF)
+        except expected as error:
+            assert "the loss scale is now 128." in str(error)
+            raise
     # The step that raised was skipped like any other: nothing changed.
     np.testing.assert_array_equal(np.array(variable), np.float32([0.9]))
     assert int(optimizer.iterations) == 1
