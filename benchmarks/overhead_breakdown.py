@@ -8,16 +8,19 @@ TensorFlow lowers into the graph: one Switch op per tensor and variable the
 update uses), the same cond kept as one function call, the previous
 release's formulation (the update computed in a `keras.StatelessScope`, its
 writes committed after the check), kmp as it is with the persistent-skips
-report put back in the step's graph as before, and kmp and Keras as they are
-(kmp applies the update of a small model at once and undoes it on a skipped
-step). Configurations are interleaved round by round and
+report put back in the step's graph as before, kmp forced to apply the
+update first or to wait for the check whatever the model (`--layers` and
+`--units` change the model, to see which wins where), and kmp and Keras as
+they are (kmp applies the update of a model of many small variables at once
+and undoes it on a skipped step). Configurations are interleaved round by
+round and
 the medians printed as ratios to plain Adam. The policy is float32 by default
 because the optimizer's work does not depend on it and float32 steps are
 short enough to show it. Besides the step time it reports the CPU time each
 step costs the process, which a busy machine disturbs less.
 
     python benchmarks/overhead_breakdown.py [--policy mixed_float16]
-        [--variants plain,compute-first,kmp]
+        [--variants plain,compute-first,kmp] [--layers 20 --units 256]
 """
 
 import argparse
@@ -43,6 +46,8 @@ VARIANTS = {
     "check+call": "the same, the cond kept as one function call",
     "compute-first": "previous release: update computed, writes after check",
     "report-in-graph": "kmp, its persistent-skips report in the step's graph",
+    "apply-first": "kmp, the update applied first whatever the model",
+    "in-cond": "kmp, the update waiting for the check whatever the model",
 }
 # Keras's TensorFlow optimizer writes through these `tf.Variable` methods,
 # which a StatelessScope cannot see; the backend-agnostic ones it can.
@@ -118,12 +123,37 @@ class _ReportInGraph(kmp.LossScaleOptimizer):
         tf.cond(reached, report, lambda: None)
 
 
+class _Forced(kmp.LossScaleOptimizer):
+    """kmp with its choice between applying first and waiting forced."""
+
+    limit = 0
+
+    def _apply_step(self, grads, variables, scaled):
+        names = ("_RESTORE_MAX_ELEMENTS", "_RESTORE_MAX_MEAN_ELEMENTS")
+        saved = [getattr(kmp_optimizer, name) for name in names]
+        for name in names:
+            setattr(kmp_optimizer, name, self.limit)
+        try:
+            super()._apply_step(grads, variables, scaled)
+        finally:
+            for name, value in zip(names, saved):
+                setattr(kmp_optimizer, name, value)
+
+
+class _ApplyFirst(_Forced):
+    limit = 2**62
+
+
 def _optimizer(kind):
     inner = keras.optimizers.Adam()
     if kind == "plain":
         return inner
     if kind == "kmp":
         return kmp.LossScaleOptimizer(inner)
+    if kind == "apply-first":
+        return _ApplyFirst(inner, name="apply_first")
+    if kind == "in-cond":
+        return _Forced(inner, name="in_cond")
     if kind == "compute-first":
         return _ComputeFirst(
             inner, name="compute_first", max_consecutive_skips=None
@@ -167,6 +197,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--policy", default="float32")
     parser.add_argument("--layers", type=int, default=100)
+    parser.add_argument(
+        "--units", type=int, default=32, help="width of every layer"
+    )
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=30)
@@ -189,7 +222,10 @@ def main():
     if "plain" not in kinds:
         kinds.insert(0, "plain")  # the base of every ratio
     kmp.set_global_policy(args.policy)
-    steps = {kind: _step_function(kind, args.layers, 32, 64) for kind in kinds}
+    steps = {
+        kind: _step_function(kind, args.layers, args.units, 64)
+        for kind in kinds
+    }
     for step in steps.values():
         for _ in range(args.warmup):
             step().numpy()
@@ -210,7 +246,8 @@ def main():
     base = np.median(times["plain"])
     cpu_base = np.median(cpu_times["plain"])
     print(
-        f"policy {args.policy}, {2 * args.layers + 2} variables, "
+        f"policy {args.policy}, {2 * args.layers + 2} variables of "
+        f"{args.units}x{args.units} and {args.units}, "
         f"{args.rounds} rounds x {args.steps} steps, load average "
         f"{os.getloadavg()[0]:.2f}; step time (wall) and the process's CPU "
         "time per step, each as a ratio to Adam alone"

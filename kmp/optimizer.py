@@ -10,10 +10,11 @@ of skipped steps (in all and in a row). Every step it
 * applies them with the inner optimizer only if all are finite; a skipped step
   ends with variables, the inner optimizer's slots and `iterations` exactly
   as they were.
-  For Keras's own optimizers on models up to 4M parameters (single device,
-  in a `tf.function`), the inner update is applied at once, alongside the
-  backward pass, and the state read just before it is written back if the
-  check fails; otherwise the whole update waits for the check, in a cond;
+  For Keras's own optimizers on models of many small variables (up to 4M
+  parameters, 16K per variable on average; single device, in a
+  `tf.function`), the inner update is applied at once, alongside the backward
+  pass, and the state read just before it is written back if the check
+  fails; otherwise the whole update waits for the check, in a cond;
 * assigns the scale and counter that `kmp.loss_scale.next_dynamic_scale`
   returns (a fixed scale is left as it is).
 
@@ -396,11 +397,16 @@ _RESTORABLE_TYPES = tuple(
     )
     if hasattr(keras.optimizers, name)
 )
-# Above this many elements in all, the update waits for the check instead:
-# applying it first keeps the old value of every variable and slot alive (a
-# copy of each) until the check, which costs more memory and time than the
-# wait for large variables.
+# Applying the update first pays one copy of every variable and slot per
+# step and saves the wait for the check, whose cost grows with the number of
+# variables. Measured on CPU (`python benchmarks/overhead_breakdown.py
+# --layers L --units U --variants plain,apply-first,in-cond`), it pays off
+# for many small variables (means of 0.5K, 2K and 8K elements: 100, 50 and
+# 30 Dense layers of 32, 64 and 128 units) and loses to waiting for fewer,
+# larger ones (31K: 20 Dense(256); 6 variables of up to 2.4M). Above 4M
+# elements in all, the copies' memory alone rules it out.
 _RESTORE_MAX_ELEMENTS = 2**22
+_RESTORE_MAX_MEAN_ELEMENTS = 2**14
 
 
 def _can_apply_then_restore(inner, grads, variables) -> bool:
@@ -414,7 +420,12 @@ def _can_apply_then_restore(inner, grads, variables) -> bool:
     if any(isinstance(g, tf.IndexedSlices) for g in grads):
         return False
     sizes = [v.shape.num_elements() for v in variables]
-    return None not in sizes and sum(sizes) <= _RESTORE_MAX_ELEMENTS
+    if None in sizes:
+        return False
+    total = sum(sizes)
+    return total <= min(
+        _RESTORE_MAX_ELEMENTS, _RESTORE_MAX_MEAN_ELEMENTS * len(sizes)
+    )
 
 
 def _read_now(variable) -> tf.Tensor:

@@ -959,6 +959,13 @@ def test_which_updates_are_applied_before_the_check():
     )
     large = [keras.Variable(np.zeros((2049, 2048), "float32"))]
     assert not can(keras.optimizers.Adam(), [tf.zeros((2049, 2048))], large)
+    # Few variables of 64K elements on average: waiting costs less.
+    few = [keras.Variable(np.zeros((256, 256), "float32")) for _ in range(2)]
+    assert not can(keras.optimizers.Adam(), [tf.zeros((256, 256))] * 2, few)
+    # Many small ones, 2K elements on average: applied first.
+    many = [keras.Variable(np.zeros((64, 64), "float32")) for _ in range(20)]
+    many += [keras.Variable(np.zeros((64,), "float32")) for _ in range(20)]
+    assert can(keras.optimizers.Adam(), [tf.zeros(v.shape) for v in many], many)
 
 
 def test_fit_skips_a_nan_batch_within_steps_per_execution():
