@@ -925,6 +925,52 @@ def test_update_matches_inner_optimizer_and_skips_exactly(
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+def test_apply_first_handles_variables_of_any_float_dtype(dtype):
+    # Variables stored in float16 (policy "float16"), bfloat16 or float64:
+    # the snapshot and the check follow each dtype.
+    def variables():
+        return [
+            keras.Variable(np.array([1.0, -2.0, 3.0]), dtype=dtype),
+            keras.Variable(np.array([0.5, 0.25, 2.0]), dtype=dtype),
+            keras.Variable(np.array([[1.0, 2.0]]), dtype=dtype),
+        ]
+
+    plain, plain_variables = (
+        keras.optimizers.SGD(0.5, momentum=0.9),
+        variables(),
+    )
+    scaled = LossScaleOptimizer(
+        keras.optimizers.SGD(0.5, momentum=0.9), initial_scale=1
+    )
+    scaled_variables = variables()
+    grads = [
+        tf.constant([0.5, -1.0, 2.0], dtype),
+        tf.constant([0.25, 0.5, 1.0], dtype),
+        tf.constant([[1.0, -1.0]], dtype),
+    ]
+    plain_step = tf.function(
+        lambda g: plain.apply_gradients(zip(g, plain_variables))
+    )
+    scaled_step = tf.function(
+        lambda g: scaled.apply_gradients(zip(g, scaled_variables))
+    )
+    for _ in range(2):
+        plain_step(grads)
+        scaled_step(grads)
+    expected = _state(plain, plain_variables)
+    actual = _state(scaled.inner_optimizer, scaled_variables)
+    for e, a in zip(expected, actual):
+        np.testing.assert_array_equal(a, e)
+    bad = list(grads)
+    bad[1] = tf.constant([0.25, INF, 1.0], dtype)
+    scaled_step(bad)
+    assert int(scaled.skipped_steps) == 1
+    after = _state(scaled.inner_optimizer, scaled_variables)
+    for a, b in zip(actual, after):
+        np.testing.assert_array_equal(b, a)
+
+
 def test_which_updates_are_applied_before_the_check():
     from kmp import optimizer as kmp_optimizer
 
