@@ -400,6 +400,7 @@ class Config:
         model: The model trained.
         optimizer: Its optimizer; `optimizer.iterations` counts applied steps
             (a loss-scale optimizer skips steps with inf/NaN gradients).
+            None when the step applies no update.
         details: Free text printed with the configuration.
     """
 
@@ -498,7 +499,8 @@ class Timing:
         warmup_last: Median seconds of the last warm-up steps.
         times: Every timed step, in seconds, in the order run.
         round_medians: The median step time of each round.
-        skipped: Steps the optimizer skipped (inf/NaN gradients) while timed.
+        skipped: Steps the optimizer skipped (inf/NaN gradients) while timed;
+            None for a step without an optimizer.
     """
 
     label: str
@@ -507,7 +509,7 @@ class Timing:
     warmup_last: float
     times: List[float] = dataclasses.field(default_factory=list)
     round_medians: List[float] = dataclasses.field(default_factory=list)
-    skipped: int = 0
+    skipped: Optional[int] = 0
 
     @property
     def median(self) -> float:
@@ -568,7 +570,9 @@ def measure(configs: Sequence[Config], args) -> Dict[str, Timing]:
             flush=True,
         )
     applied_before = {
-        c.label: int(c.optimizer.iterations.numpy()) for c in configs
+        c.label: int(c.optimizer.iterations.numpy())
+        for c in configs
+        if c.optimizer is not None
     }
     for round_index in range(args.rounds):
         shift = round_index % len(configs)
@@ -587,6 +591,9 @@ def measure(configs: Sequence[Config], args) -> Dict[str, Timing]:
             timing.round_medians.append(statistics.median(times))
     steps_run = args.rounds * (args.steps + 1)
     for config in configs:
+        if config.optimizer is None:
+            timings[config.label].skipped = None
+            continue
         applied = int(config.optimizer.iterations.numpy())
         applied -= applied_before[config.label]
         timings[config.label].skipped = steps_run - applied
@@ -652,7 +659,7 @@ def timing_rows(timings: Dict[str, Timing]) -> List[List[str]]:
                 str(len(timing.times)),
                 f"{timing.trace_seconds:.2f}",
                 str(timing.warmup_steps),
-                str(timing.skipped),
+                "-" if timing.skipped is None else str(timing.skipped),
             ]
         )
     return rows

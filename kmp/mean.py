@@ -21,14 +21,12 @@ Importing kmp installs it; `uninstall()` restores Keras's function.
 """
 
 import math
-import threading
 
 from keras.src.backend.tensorflow import numpy as _keras_tf_numpy
 
 from kmp._backend import tf
+from kmp._patch import Patch
 
-_lock = threading.Lock()
-_keras_mean = None  # Keras's TensorFlow `mean` while installed.
 _BFLOAT16_SIGNIFICAND_BITS = 8  # Including the implicit leading bit.
 
 
@@ -64,7 +62,10 @@ def _mean(x, axis=None, keepdims=False):
         count = _reduced_count(x.shape, axis)
         if count and _exact_in_bfloat16(count):
             return tf.reduce_mean(x, axis=axis, keepdims=keepdims)
-    return _keras_mean(x, axis=axis, keepdims=keepdims)
+    return _patch.original(x, axis=axis, keepdims=keepdims)
+
+
+_patch = Patch(_keras_tf_numpy, "mean", _mean)
 
 
 def install() -> None:
@@ -79,11 +80,7 @@ def install() -> None:
     >>> is_installed()
     True
     """
-    global _keras_mean
-    with _lock:
-        if _keras_mean is None:
-            _keras_mean = _keras_tf_numpy.mean
-            _keras_tf_numpy.mean = _mean
+    _patch.install()
 
 
 def uninstall() -> None:
@@ -96,11 +93,7 @@ def uninstall() -> None:
     False
     >>> install()  # as importing kmp left it
     """
-    global _keras_mean
-    with _lock:
-        if _keras_mean is not None:
-            _keras_tf_numpy.mean = _keras_mean
-            _keras_mean = None
+    _patch.uninstall()
 
 
 def is_installed() -> bool:
@@ -111,4 +104,4 @@ def is_installed() -> bool:
     >>> is_installed() in (True, False)
     True
     """
-    return _keras_mean is not None
+    return _patch.installed

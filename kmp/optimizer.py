@@ -986,9 +986,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             self._counter.assign(counter)
         scale = tf.convert_to_tensor(scale)
         limit = self._max_consecutive_skips
-        if tf.executing_eagerly():
-            if restore is not None and not bool(finite):
-                restore()
+        if tf.executing_eagerly():  # The update waited for the check.
             if limit is not None and int(in_a_row) == limit:
                 self._report_persistent_skips(in_a_row, scale)
             return

@@ -24,8 +24,6 @@ enters a Keras `AutocastScope` which hands out the cast tensors. Importing
 kmp installs it; `uninstall()` restores Keras's loop.
 """
 
-import threading
-
 from keras.src.backend.common import variables as _keras_variables
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
@@ -33,6 +31,7 @@ from keras.src.layers.rnn import rnn as _keras_rnn
 
 from kmp._backend import keras
 from kmp._backend import tf
+from kmp._patch import Patch
 
 # Cells whose step only reads their variables, never assigns them.
 _CELLS = (
@@ -41,8 +40,6 @@ _CELLS = (
     keras.layers.SimpleRNNCell,
 )
 
-_lock = threading.Lock()
-_keras_inner_loop = None  # Keras's `RNN.inner_loop` while installed.
 _exact = True
 
 
@@ -113,13 +110,16 @@ def _inner_loop(self, sequences, initial_state, mask, training=False):
         or in_stateless_scope()
         or in_symbolic_scope()
     ):
-        return _keras_inner_loop(
+        return _patch.original(
             self, sequences, initial_state, mask, training=training
         )
     with _CastOnceScope(scope.dtype, self.cell.variables, _exact):
-        return _keras_inner_loop(
+        return _patch.original(
             self, sequences, initial_state, mask, training=training
         )
+
+
+_patch = Patch(_keras_rnn.RNN, "inner_loop", _inner_loop)
 
 
 def install(exact: bool = True) -> None:
@@ -151,12 +151,9 @@ def install(exact: bool = True) -> None:
         raise TypeError(
             f"'exact' must be True or False. Received: exact={exact!r}"
         )
-    global _exact, _keras_inner_loop
-    with _lock:
-        _exact = exact
-        if _keras_inner_loop is None:
-            _keras_inner_loop = _keras_rnn.RNN.inner_loop
-            _keras_rnn.RNN.inner_loop = _inner_loop
+    global _exact
+    _exact = exact
+    _patch.install()
 
 
 def uninstall() -> None:
@@ -172,11 +169,7 @@ def uninstall() -> None:
     False
     >>> install()  # as importing kmp left it
     """
-    global _keras_inner_loop
-    with _lock:
-        if _keras_inner_loop is not None:
-            _keras_rnn.RNN.inner_loop = _keras_inner_loop
-            _keras_inner_loop = None
+    _patch.uninstall()
 
 
 def is_installed() -> bool:
@@ -190,4 +183,4 @@ def is_installed() -> bool:
     >>> is_installed() in (True, False)
     True
     """
-    return _keras_inner_loop is not None
+    return _patch.installed
