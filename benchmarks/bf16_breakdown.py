@@ -7,8 +7,8 @@ time (the step builders of `memory_breakdown.py`):
 * `keras`: the step as `bf16_speedup.py` times it (Keras 3's Adam);
 * `no-update`: forward and backward only, no optimizer step;
 * `sgd`: plain SGD instead of Adam;
-* `fused-adam`: the same Adam update in one in-place kernel per variable
-  (`ResourceApplyAdam`), as tf_keras ran it.
+* `fused-adam`: `kmp.FusedAdam`, the same Adam update in one in-place kernel
+  per variable (`ResourceApplyAdam`), as tf_keras ran it.
 
 Both policies of every variant are timed interleaved in one process, and the
 speed-up (float32 step time over mixed_bfloat16 step time, median of round

@@ -85,6 +85,8 @@ QUICK_SIZES = {
 CLASSES = 10
 
 
+OPTIMIZERS = ("adam", "fused-adam")
+
 # --- Command line -------------------------------------------------------------
 
 
@@ -148,6 +150,13 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         help="turn off Grappler's op fusion ('remapping'): on CPUs its fused "
         "float16 MatMul+BiasAdd kernel is about 1000x slower than the "
         "unfused ops, which makes mixed_float16 steps unmeasurably slow",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adam",
+        help="the inner optimizer: Keras 3's Adam, or kmp.FusedAdam (the "
+        "same update in one TensorFlow kernel per variable) (default adam)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed")
 
@@ -421,6 +430,8 @@ def build_config(
 ) -> Config:
     """Builds a model under `policy` with Adam and one of its training steps.
 
+    The Adam is Keras 3's, or `kmp.FusedAdam` under `--optimizer fused-adam`.
+
     Args:
         label: The configuration's name in tables.
         model_name: One of `MODEL_NAMES`.
@@ -440,7 +451,10 @@ def build_config(
     keras.utils.set_random_seed(args.seed)
     with kmp.policy_scope(policy):
         model = build_model(model_name, sizes)
-    optimizer = keras.optimizers.Adam(1e-4)
+    if getattr(args, "optimizer", "adam") == "fused-adam":
+        optimizer = kmp.FusedAdam(1e-4)
+    else:
+        optimizer = keras.optimizers.Adam(1e-4)
     if loss_scale == "kmp":
         optimizer = kmp.LossScaleOptimizer(optimizer)
     elif loss_scale == "keras":

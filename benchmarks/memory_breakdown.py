@@ -22,8 +22,9 @@ Variations (combine them with "+", e.g. `lean-logits+fused-adam`):
 * `keras-as-is`: the same with those two uninstalled: Keras 3 alone.
 * `no-update`: forward and backward only; no optimizer step.
 * `sgd`: plain SGD instead of Adam.
-* `fused-adam`: Keras's Adam slots, updated in place by TensorFlow's
-  `ResourceApplyAdam` kernel (no temporaries the size of a weight).
+* `fused-adam`: `kmp.FusedAdam`: Adam's slots updated in place by
+  TensorFlow's `ResourceApplyAdam` kernel (no temporaries the size of a
+  weight).
 * `barrier`: every gradient is computed before the first update starts.
 * `bf16-input`: the batch is handed over in bfloat16 already.
 * `bf16-logits`: the last Dense computes in the policy's dtype and a float32
@@ -71,7 +72,7 @@ MODIFIERS = {
     "keras-as-is": "Keras 3 alone (kmp's mean and RNN casts off)",
     "no-update": "forward and backward, no optimizer step",
     "sgd": "plain SGD instead of Adam",
-    "fused-adam": "Adam through ResourceApplyAdam, in place",
+    "fused-adam": "kmp.FusedAdam (ResourceApplyAdam, in place)",
     "barrier": "all gradients before the first update",
     "bf16-input": "batch handed over in bfloat16",
     "bf16-logits": "last Dense in bfloat16, float32 Activation",
@@ -287,35 +288,13 @@ def _make_step(k, tf, model, flags):
     variables = model.trainable_variables
     if "sgd" in flags:
         optimizer = k.optimizers.SGD(1e-4)
+    elif "fused-adam" in flags:
+        import kmp
+
+        optimizer = kmp.FusedAdam(1e-4)
     else:
         optimizer = k.optimizers.Adam(1e-4)
     optimizer.build(variables)
-
-    def fused_adam(grads):
-        # The same update as Keras 3's Adam.update_step, in one kernel that
-        # writes the variable and both slots in place.
-        step = tf.cast(optimizer.iterations + 1, tf.float32)
-        beta_1 = tf.constant(optimizer.beta_1, tf.float32)
-        beta_2 = tf.constant(optimizer.beta_2, tf.float32)
-        updates = []
-        for grad, variable in zip(grads, variables):
-            index = optimizer._get_variable_index(variable)
-            updates.append(
-                tf.raw_ops.ResourceApplyAdam(
-                    var=variable.value.handle,
-                    m=optimizer._momentums[index].value.handle,
-                    v=optimizer._velocities[index].value.handle,
-                    beta1_power=tf.pow(beta_1, step),
-                    beta2_power=tf.pow(beta_2, step),
-                    lr=tf.cast(optimizer.learning_rate, tf.float32),
-                    beta1=beta_1,
-                    beta2=beta_2,
-                    epsilon=tf.constant(optimizer.epsilon, tf.float32),
-                    grad=grad,
-                )
-            )
-        with tf.control_dependencies(updates):
-            optimizer.iterations.assign_add(1)
 
     @tf.function
     def step(x, y):
@@ -328,10 +307,7 @@ def _make_step(k, tf, model, flags):
         if "barrier" in flags:
             with tf.control_dependencies(grads):
                 grads = [tf.identity(g) for g in grads]
-        if "fused-adam" in flags:
-            fused_adam(grads)
-        else:
-            optimizer.apply_gradients(zip(grads, variables))
+        optimizer.apply_gradients(zip(grads, variables))
         return loss
 
     return step

@@ -81,6 +81,13 @@ Each one is run below, against the installed Keras 3.
    an inf on any replica skips the step. Keras 3 looks only at replica 0's
    gradients, before they are summed, so an inf on another replica reaches the
    weights.
+7. tf_keras's Adam updated each variable in one fused TensorFlow kernel
+   (`ResourceApplyAdam`); Keras 3's Adam runs about ten elementwise ops per
+   variable, each a pass over its memory. On large models that update is a
+   fixed float32 cost that mixed precision cannot speed up, so training is
+   slower than it was under Keras 2. `kmp.FusedAdam` is Keras 3's Adam (same
+   arguments, config and checkpoints) with the fused kernel back; it rounds
+   like tf_keras did, not bit for bit like Keras 3's Adam.
 
 Run it with `python guides/porting.py`; it takes a few seconds (it has no
 large sizes, so unlike the other guide it ignores `KMP_GUIDE_SMALL`).
@@ -415,3 +422,37 @@ for name, optimizer_class in BOTH:
         f"{name}: weight after a step with an inf on replica 1: "
         f"{weight.numpy()}"
     )
+
+
+# ## 7. The fused Adam update
+#
+# The ops TensorFlow runs to update one variable, in a traced step: Keras 3's
+# Adam, then kmp.FusedAdam.
+
+
+def update_op_types(optimizer):
+    weight = keras.Variable(np.ones((4, 4), "float32"))
+    optimizer.build([weight])
+
+    @tf.function
+    def step(gradient):
+        optimizer.apply_gradients([(gradient, weight)])
+
+    graph = step.get_concrete_function(tf.TensorSpec((4, 4))).graph
+    # Ops that compute or write a value of the variable's shape.
+    return sorted(
+        op.type
+        for op in graph.get_operations()
+        if op.type
+        not in ("ReadVariableOp", "Placeholder", "Identity", "IdentityN")
+        and (
+            op.type == "ResourceApplyAdam"
+            or any(t.shape == (4, 4) for t in [*op.inputs[1:2], *op.outputs])
+        )
+    )
+
+
+keras_ops = update_op_types(keras.optimizers.Adam(0.01))
+fused_ops = update_op_types(kmp.FusedAdam(0.01))
+print(f"Keras 3 Adam: {len(keras_ops)} ops: {', '.join(keras_ops)}")
+print(f"kmp.FusedAdam: {len(fused_ops)} op: {', '.join(fused_ops)}")

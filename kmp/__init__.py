@@ -7,6 +7,7 @@ from kmp import recurrent
 from kmp.auditing import AuditReport
 from kmp.auditing import audit
 from kmp.conversion import convert
+from kmp.fused import FusedAdam
 from kmp.inspection import summary
 from kmp.optimizer import LossScaleOptimizer
 from kmp.policy import Policy
@@ -25,6 +26,7 @@ mean.install()
 
 __all__ = [
     "AuditReport",
+    "FusedAdam",
     "LossScaleOptimizer",
     "Policy",
     "__version__",

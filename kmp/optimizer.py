@@ -46,6 +46,7 @@ from tensorflow.python.ops import control_flow_util_v2
 from kmp import loss_scale as _rule
 from kmp._backend import keras
 from kmp._backend import tf
+from kmp.fused import FusedAdam
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 _KerasOptimizer = keras.optimizers.Optimizer
@@ -396,7 +397,7 @@ _RESTORABLE_TYPES = tuple(
         "RMSprop",
     )
     if hasattr(keras.optimizers, name)
-)
+) + (FusedAdam,)
 # Applying the update first pays one copy of every variable and slot per
 # step and saves the wait for the check, whose cost grows with the number of
 # variables. Measured on CPU (`python benchmarks/overhead_breakdown.py
@@ -761,7 +762,8 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                 gradient, tf.IndexedSlices
             ):
                 grads[index] = _floating_tensor(gradient, f"grads[{index}]")
-        unscaled = _unscale_gradients(grads, self.loss_scale)
+        with keras.name_scope(self.name, caller=self):
+            unscaled = _unscale_gradients(grads, self.loss_scale)
         self._set_protocol(_UNSCALED)
         return unscaled
 

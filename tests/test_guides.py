@@ -184,3 +184,13 @@ def test_porting_scale_bounds(out):
 def test_porting_distributed_skip_is_decided_after_aggregation(out):
     assert "Keras 3: weight after a step with an inf on replica 1: [-inf" in out
     assert "kmp: weight after a step with an inf on replica 1: [1. 1.]" in out
+
+
+@PORTING
+def test_porting_fused_adam_is_one_kernel(out):
+    keras_line = re.search(r"Keras 3 Adam: (\d+) ops: (.*)", out)
+    fused_line = re.search(r"kmp.FusedAdam: (\d+) op: (.*)", out)
+    assert keras_line and fused_line, out
+    assert int(keras_line.group(1)) >= 10
+    assert "ResourceApplyAdam" not in keras_line.group(2)
+    assert fused_line.group(2) == "ResourceApplyAdam"

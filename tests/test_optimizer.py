@@ -839,6 +839,7 @@ def test_gradients_may_be_clipped_between_unscaling_and_applying(mode):
 INNER_OPTIMIZERS = {
     "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
     "adam": lambda: keras.optimizers.Adam(0.01),
+    "fused_adam": lambda: kmp.FusedAdam(0.01),
     "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
     "adamax": lambda: keras.optimizers.Adamax(0.01),
     "adagrad": lambda: keras.optimizers.Adagrad(0.1),
