@@ -63,6 +63,12 @@ def main(argv=None) -> int:
         help=f"comma-separated, among: {', '.join(VARIANTS)} (default all)",
     )
     args = common.parse_args(parser, argv)
+    if args.optimizer != "adam":
+        parser.error(
+            "bf16_breakdown.py compares optimizers as variants: use "
+            "--variants keras,fused-adam instead of --optimizer "
+            f"{args.optimizer}"
+        )
     variants = args.variants
     if "keras" not in variants:
         variants = ["keras", *variants]  # the base of the shares

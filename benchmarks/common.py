@@ -451,7 +451,7 @@ def build_config(
     keras.utils.set_random_seed(args.seed)
     with kmp.policy_scope(policy):
         model = build_model(model_name, sizes)
-    if getattr(args, "optimizer", "adam") == "fused-adam":
+    if args.optimizer == "fused-adam":
         optimizer = kmp.FusedAdam(1e-4)
     else:
         optimizer = keras.optimizers.Adam(1e-4)

@@ -267,7 +267,8 @@ def main(argv=None) -> int:
         common.warm_up(config.step, args.warmup_min, args.warmup_max)
 
     parts = {c.label: collections.defaultdict(list) for c in configs}
-    op_types = {c.label: collections.defaultdict(list) for c in configs}
+    # One Counter per round; an op type absent from a round counts 0 there.
+    op_types = {c.label: [] for c in configs}
     for round_index in range(args.rounds):
         shift = round_index % len(configs)
         for config in configs[shift:] + configs[:shift]:
@@ -277,9 +278,7 @@ def main(argv=None) -> int:
             for part in PARTS:
                 parts[config.label][part].append(by_part[part])
             parts[config.label]["total"].append(sum(by_part.values()))
-            seen = op_types[config.label]
-            for op_type in set(by_type) | set(seen):
-                seen[op_type].append(by_type.get(op_type, 0.0))
+            op_types[config.label].append(by_type)
 
     labels = [c.label for c in configs]
     first = labels[0]
@@ -301,9 +300,10 @@ def main(argv=None) -> int:
     report.print_table(headers, rows)
     for label in labels:
         total = statistics.median(parts[label]["total"])
+        rounds = op_types[label]
         medians = {
-            op_type: statistics.median(values)
-            for op_type, values in op_types[label].items()
+            op_type: statistics.median(r[op_type] for r in rounds)
+            for op_type in set().union(*rounds)
         }
         top = sorted(medians.items(), key=lambda item: -item[1])[: args.top]
         print(f"\n{label}: op types by time")

@@ -542,9 +542,7 @@ def test_any_non_finite_gradient_skips_the_step(mode, gradients):
     def step():
         optimizer.apply_gradients(zip(grads, variables))
 
-    if mode != "eager":
-        step = tf.function(step, jit_compile=mode == "jit")
-    step()
+    _compiled(step, mode)()
     assert int(optimizer.skipped_steps) == 1
     assert int(optimizer.iterations) == 0
     for variable in variables:
@@ -562,9 +560,7 @@ def test_finite_gradients_that_cancel_are_applied(mode):
     def step():
         optimizer.apply_gradients(zip(grads, variables))
 
-    if mode != "eager":
-        step = tf.function(step, jit_compile=mode == "jit")
-    step()
+    _compiled(step, mode)()
     assert int(optimizer.skipped_steps) == 0
     expected = np.array([-1e38, 2.0], "float32")
     np.testing.assert_array_equal(np.array(variables[0]), expected)
