@@ -17,9 +17,10 @@ and the ratio of the two medians.
 Variations (combine them with "+", e.g. `lean-logits+fused-adam`):
 
 * `keras`: the benchmark as it is (Keras 3 layers, Keras 3 Adam), with kmp
-  imported, so with kmp's bfloat16 mean (`kmp/mean.py`) and recurrent-layer
-  casts (`kmp/recurrent.py`) in effect.
-* `keras-as-is`: the same with those two uninstalled: Keras 3 alone.
+  imported, so with kmp's bfloat16 mean (`kmp/mean.py`), recurrent-layer
+  casts (`kmp/recurrent.py`) and float32 Dense layers that keep a
+  low-precision input (`kmp/dense.py`) in effect.
+* `keras-as-is`: the same with those three uninstalled: Keras 3 alone.
 * `no-update`: forward and backward only; no optimizer step.
 * `sgd`: plain SGD instead of Adam.
 * `fused-adam`: `kmp.FusedAdam`: Adam's slots updated in place by
@@ -31,7 +32,9 @@ Variations (combine them with "+", e.g. `lean-logits+fused-adam`):
   `Activation("linear")` casts the logits (Keras's guide's layout).
 * `lean-logits`: a float32 last Dense that keeps its bfloat16 input for the
   backward pass and casts it again there, instead of keeping the float32
-  copy; the same numbers as `keras`.
+  copy; the same numbers as `keras`. A layer of its own, written before
+  `kmp/dense.py` did the same to Keras's `Dense` (so `keras` now has it
+  too); kept to compare with `keras-as-is`.
 * `mean-no-upcast`: the CNN's global average pooling in the compute dtype
   (Keras 3's `ops.mean` first casts bfloat16 inputs to float32).
 * `bias-add`: the CNN's convolutions add their bias with `tf.nn.bias_add`,
@@ -69,7 +72,7 @@ QUICK_SIZES = {
 }
 MODIFIERS = {
     "keras": "the benchmark as it is, through kmp",
-    "keras-as-is": "Keras 3 alone (kmp's mean and RNN casts off)",
+    "keras-as-is": "Keras 3 alone (kmp's mean, RNN casts and Dense off)",
     "no-update": "forward and backward, no optimizer step",
     "sgd": "plain SGD instead of Adam",
     "fused-adam": "kmp.FusedAdam (ResourceApplyAdam, in place)",
@@ -133,6 +136,7 @@ def _child(model_name: str, policy: str, variant: str, quick: bool, steps):
         if "keras-as-is" in flags:
             kmp.mean.uninstall()
             kmp.recurrent.uninstall()
+            kmp.dense.uninstall()
     k.utils.set_random_seed(0)
     sizes = (QUICK_SIZES if quick else SIZES)[model_name]
     model = _build_model(k, tf, model_name, sizes, flags)

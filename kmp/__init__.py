@@ -1,6 +1,7 @@
 """kmp: mixed precision for Keras 3, the same in `fit` and in custom loops."""
 
 from kmp import callbacks
+from kmp import dense
 from kmp import mean
 from kmp import mixed_precision
 from kmp import recurrent
@@ -23,6 +24,9 @@ recurrent.install()
 # keras.ops.mean reduces bfloat16 without a float32 copy where that is
 # bit-identical (see kmp/mean.py).
 mean.install()
+# A float32 Dense fed bfloat16/float16 keeps that input for its backward pass,
+# not a float32 copy (bit-identical results; see kmp/dense.py).
+dense.install()
 
 __all__ = [
     "AuditReport",
@@ -33,6 +37,7 @@ __all__ = [
     "audit",
     "callbacks",
     "convert",
+    "dense",
     "global_policy",
     "mean",
     "mixed_precision",

@@ -87,6 +87,7 @@ def test_mixed_precision_reexports_the_same_object(name):
 def test_all_lists_the_public_names():
     assert set(PUBLIC_NAMES) <= set(kmp.__all__)
     tools = {"__version__", "audit", "AuditReport", "callbacks", "convert"}
+    tools |= {"dense"}
     tools |= {"FusedAdam", "mean", "mixed_precision", "recurrent", "summary"}
     assert set(kmp.__all__) - set(PUBLIC_NAMES) == tools
     assert sorted(mixed_precision.__all__) == sorted(PUBLIC_NAMES)

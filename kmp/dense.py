@@ -1,0 +1,137 @@
+"""Float32 Dense layers that keep a low-precision input, not a float32 copy.
+
+The usual mixed-precision model ends in a float32 layer (`Dense(10,
+dtype="float32")`). Fed bfloat16 or float16 activations, Keras casts them to
+float32 before the matrix product, and the product's gradient keeps that
+float32 copy - twice the bytes of the activations - alive from the forward
+pass until the backward pass reaches the layer. On the benchmark MLP
+(784-4096-4096-10, batch 8192) that is a 128 MiB float32 copy of the last
+hidden layer, the largest single reason bfloat16 training needed 0.87x of
+float32's memory rather than about half (`python
+benchmarks/memory_breakdown.py --models mlp`).
+
+`install()` makes `keras.layers.Dense` keep the low-precision tensor for its
+backward pass instead and cast it again there. A cast to a wider type is
+exact, and the backward pass runs the same kernels TensorFlow's own gradient
+of the product runs, so outputs and gradients are bit-identical to Keras's.
+The kernel's gradient is computed before the input's, so the float32 copy
+made again and the float32 input gradient never exist at once.
+
+It applies only where that is certain: inside a `tf.function` (graph mode),
+a `Dense` whose `call` is Keras's own (not overridden by a subclass), with a
+float32 kernel, no LoRA and no quantization, fed a rank-2 float32 tensor that
+Keras made by casting a bfloat16 or float16 one. Everything else runs
+Keras's `Dense.call`. Importing kmp installs it; `uninstall()` restores
+Keras's method.
+"""
+
+from keras import ops
+from keras.src.layers.core import dense as _keras_dense
+from tensorflow.python.ops import gen_math_ops
+
+from kmp._backend import tf
+from kmp._patch import Patch
+
+_LOW_PRECISION = (tf.bfloat16, tf.float16)
+
+
+def _low_precision_source(inputs):
+    """The bfloat16/float16 tensor `inputs` was cast from, else None."""
+    if tf.executing_eagerly() or not isinstance(inputs, tf.Tensor):
+        return None
+    if inputs.dtype != tf.float32 or inputs.shape.rank != 2:
+        return None
+    op = getattr(inputs, "op", None)
+    if op is None or op.type != "Cast" or len(op.inputs) != 1:
+        return None
+    source = op.inputs[0]
+    return source if source.dtype in _LOW_PRECISION else None
+
+
+def _keeps_input_low(layer) -> bool:
+    """Whether `layer` runs Keras's own Dense product on a float32 kernel."""
+    return (
+        type(layer).call is _patch.replacement
+        and not layer.lora_enabled
+        and layer.quantization_mode is None
+        and layer.kernel.dtype == "float32"
+    )
+
+
+def _product(wide, source, kernel):
+    """`wide @ kernel`, whose gradient casts `source` again for the kernel's."""
+
+    @tf.custom_gradient
+    def product(source, kernel):
+        def gradient(upstream):
+            # The control input keeps Grappler from merging this cast with
+            # the forward one (which would keep the copy alive again).
+            with tf.control_dependencies([upstream]):
+                wide_again = tf.cast(source, tf.float32)
+            d_kernel = gen_math_ops.mat_mul(
+                wide_again, upstream, transpose_a=True, grad_b=True
+            )
+            with tf.control_dependencies([d_kernel]):
+                d_wide = gen_math_ops.mat_mul(
+                    upstream, kernel, transpose_b=True, grad_a=True
+                )
+            return tf.cast(d_wide, source.dtype), d_kernel
+
+        return tf.matmul(wide, kernel), gradient
+
+    return product(source, kernel)
+
+
+def _call(self, inputs, training=None):
+    """Keras's `Dense.call`, keeping a low-precision input for backward."""
+    source = _low_precision_source(inputs)
+    if source is None or not _keeps_input_low(self):
+        return _patch.original(self, inputs, training=training)
+    x = _product(inputs, source, ops.convert_to_tensor(self.kernel))
+    if self.bias is not None:
+        x = ops.add(x, self.bias)
+    if self.activation is not None:
+        x = self.activation(x)
+    return x
+
+
+_patch = Patch(_keras_dense.Dense, "call", _call)
+
+
+def install() -> None:
+    """Makes float32 `Dense` layers keep a low-precision input for backward.
+
+    Only where the results are bit-identical to Keras's (see the module
+    docstring); from the next trace on. Calling it again does nothing.
+
+    Example:
+
+    >>> install()  # importing kmp already did
+    >>> is_installed()
+    True
+    """
+    _patch.install()
+
+
+def uninstall() -> None:
+    """Gives `keras.layers.Dense` Keras's own `call` back.
+
+    Example:
+
+    >>> uninstall()
+    >>> is_installed()
+    False
+    >>> install()  # as importing kmp left it
+    """
+    _patch.uninstall()
+
+
+def is_installed() -> bool:
+    """Whether `install()` is in effect.
+
+    Example:
+
+    >>> is_installed() in (True, False)
+    True
+    """
+    return _patch.installed

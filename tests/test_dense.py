@@ -1,0 +1,267 @@
+"""Tests for kmp/dense.py: float32 Dense layers keep a low-precision input.
+
+Each result is compared bit for bit with Keras's own `Dense.call` (kmp's
+method uninstalled): outputs, the gradient of every variable and of the
+input. The graph tests check the point of it: no gradient op reads the
+float32 copy of the low-precision input.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmp
+from kmp import dense
+
+
+@pytest.fixture(autouse=True)
+def _restore_installation():
+    was_installed = dense.is_installed()
+    yield
+    if was_installed:
+        dense.install()
+    else:
+        dense.uninstall()
+
+
+def _set_installed(installed):
+    if installed:
+        dense.install()
+    else:
+        dense.uninstall()
+
+
+def _model(policy, *, activation=None, use_bias=True, features=24):
+    keras.utils.set_random_seed(3)
+    with kmp.policy_scope(policy):
+        return keras.Sequential(
+            [
+                keras.Input((features,)),
+                keras.layers.Dense(32, activation="relu"),
+                keras.layers.Dense(
+                    10,
+                    dtype="float32",
+                    activation=activation,
+                    use_bias=use_bias,
+                ),
+            ]
+        )
+
+
+def _forward_and_gradients(model, x, mode):
+    def run(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = model(x)
+            # A weighted sum, so that every output gets its own gradient.
+            loss = tf.reduce_sum(y * tf.range(10, dtype=tf.float32))
+        return y, tape.gradient(loss, [x, *model.trainable_variables])
+
+    if mode == "tf_function":
+        run = tf.function(run)
+    y, grads = run(x)
+    return y.numpy(), [g.numpy() for g in grads]
+
+
+def _batch(features=24, rows=16):
+    values = np.random.default_rng(0).normal(size=(rows, features))
+    return tf.constant(values.astype("float32"))
+
+
+def _assert_same(actual, expected):
+    assert actual[0].dtype == expected[0].dtype
+    np.testing.assert_array_equal(actual[0], expected[0])
+    assert len(actual[1]) == len(expected[1])
+    for a, e in zip(actual[1], expected[1]):
+        assert a.dtype == e.dtype
+        np.testing.assert_array_equal(a, e)
+
+
+@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+@pytest.mark.parametrize(
+    "policy, activation, use_bias",
+    [
+        ("mixed_bfloat16", None, True),
+        ("mixed_bfloat16", "softmax", True),
+        ("mixed_bfloat16", "relu", False),
+        ("mixed_float16", None, True),
+        ("mixed_float16", "softmax", False),
+    ],
+)
+def test_outputs_and_gradients_are_bit_identical_to_keras(
+    policy, activation, use_bias, mode
+):
+    x = _batch()
+    results = []
+    for installed in (False, True):
+        _set_installed(installed)
+        model = _model(policy, activation=activation, use_bias=use_bias)
+        results.append(_forward_and_gradients(model, x, mode))
+    _assert_same(results[1], results[0])
+
+
+def _gradient_graph(model, features=24):
+    def run(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x))
+        return tape.gradient(loss, model.trainable_variables)
+
+    spec = tf.TensorSpec((16, features), tf.float32)
+    return tf.function(run).get_concrete_function(spec).graph
+
+
+def _gradient_readers_of_float32_copies(graph):
+    """Ops under the gradient tape's scope reading a bf16/f16 -> f32 cast."""
+    readers = []
+    for op in graph.get_operations():
+        if op.type != "Cast" or op.outputs[0].dtype != tf.float32:
+            continue
+        if op.inputs[0].dtype not in (tf.bfloat16, tf.float16):
+            continue
+        if "gradient_tape" in op.name:
+            continue  # A cast made in the backward pass itself.
+        readers += [
+            consumer
+            for consumer in op.outputs[0].consumers()
+            if "gradient_tape" in consumer.name
+        ]
+    return readers
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_backward_pass_does_not_keep_the_float32_copy(policy):
+    _set_installed(False)
+    keras_graph = _gradient_graph(_model(policy))
+    assert _gradient_readers_of_float32_copies(keras_graph)
+    _set_installed(True)
+    kmp_graph = _gradient_graph(_model(policy))
+    assert not _gradient_readers_of_float32_copies(kmp_graph)
+
+
+def _takes_kmp_path(layer, x):
+    """Whether a traced call of `layer` on `x` ran kmp's product."""
+    calls = []
+    product = dense._product
+
+    def counted(*args):
+        calls.append(args)
+        return product(*args)
+
+    dense._product = counted
+    try:
+        tf.function(layer).get_concrete_function(x)
+    finally:
+        dense._product = product
+    return bool(calls)
+
+
+def _bfloat16_cast_input(features=8):
+    return tf.TensorSpec((4, features), tf.bfloat16)
+
+
+def test_float32_dense_fed_low_precision_takes_kmp_path():
+    layer = keras.layers.Dense(3, dtype="float32")
+    assert _takes_kmp_path(layer, _bfloat16_cast_input())
+    assert _takes_kmp_path(layer, tf.TensorSpec((4, 8), tf.float16))
+
+
+def test_other_inputs_and_layers_keep_keras_path():
+    # A float32 input: no low-precision source.
+    assert not _takes_kmp_path(
+        keras.layers.Dense(3), tf.TensorSpec((4, 8), tf.float32)
+    )
+    # Rank 3: Keras uses tensordot there.
+    assert not _takes_kmp_path(
+        keras.layers.Dense(3, dtype="float32"),
+        tf.TensorSpec((2, 4, 8), tf.bfloat16),
+    )
+    # A layer computing in bfloat16 gets no float32 copy to begin with.
+    assert not _takes_kmp_path(
+        keras.layers.Dense(3, dtype="mixed_bfloat16"), _bfloat16_cast_input()
+    )
+
+    class OwnCall(keras.layers.Dense):
+        def call(self, inputs, training=None):
+            return super().call(inputs, training=training) + inputs[:, :3]
+
+    # A subclass with its own call may use the input elsewhere.
+    assert not _takes_kmp_path(
+        OwnCall(3, dtype="float32"), _bfloat16_cast_input()
+    )
+
+    lora = keras.layers.Dense(3, dtype="float32")
+    lora.build((None, 8))
+    lora.enable_lora(2)
+    assert not _takes_kmp_path(lora, _bfloat16_cast_input())
+
+    quantized = keras.layers.Dense(3, dtype="float32")
+    quantized.build((None, 8))
+    quantized.quantize("int8")
+    assert not _takes_kmp_path(quantized, _bfloat16_cast_input())
+
+
+def test_subclass_without_own_call_gets_identical_results():
+    class Named(keras.layers.Dense):
+        pass
+
+    x = tf.cast(_batch(features=8), tf.bfloat16)
+    results = []
+    for installed in (False, True):
+        _set_installed(installed)
+        keras.utils.set_random_seed(1)
+        layer = Named(10, dtype="float32")
+        layer.build((None, 8))
+        results.append(_forward_and_gradients(layer, x, "tf_function"))
+    assert _takes_kmp_path(layer, _bfloat16_cast_input())
+    _assert_same(results[1], results[0])
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_fit_with_loss_scaling_trains_bit_identically(policy):
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(64, 24)).astype("float32")
+    y = rng.integers(0, 10, size=64)
+    weights = []
+    for installed in (False, True):
+        _set_installed(installed)
+        model = _model(policy)
+        optimizer = keras.optimizers.Adam(1e-2)
+        if policy == "mixed_float16":
+            optimizer = kmp.LossScaleOptimizer(optimizer)
+        model.compile(
+            optimizer=optimizer,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        weights.append(model.get_weights())
+    for a, e in zip(weights[1], weights[0]):
+        np.testing.assert_array_equal(a, e)
+
+
+def test_exported_model_serves_the_same_outputs(tmp_path):
+    model = _model("mixed_bfloat16")
+    x = _batch()
+    expected = model(x).numpy()
+    model.export(str(tmp_path / "saved_model"), verbose=False)
+    restored = tf.saved_model.load(str(tmp_path / "saved_model"))
+    np.testing.assert_array_equal(restored.serve(x).numpy(), expected)
+
+
+def test_install_is_idempotent_and_uninstall_restores_keras():
+    dense.uninstall()
+    keras_call = keras.layers.Dense.call
+    dense.install()
+    dense.install()
+    assert dense.is_installed()
+    assert keras.layers.Dense.call is dense._call
+    dense.uninstall()
+    dense.uninstall()
+    assert not dense.is_installed()
+    assert keras.layers.Dense.call is keras_call
+
+
+def test_importing_kmp_installs_it():
+    # The autouse fixture restores the state each test found.
+    assert dense.is_installed()
+    assert keras.layers.Dense.call is dense._call
