@@ -13,9 +13,12 @@ benchmarks/memory_breakdown.py --models mlp`).
 `install()` makes `keras.layers.Dense` keep the low-precision tensor for its
 backward pass instead and cast it again there. A cast to a wider type is
 exact, and the backward pass runs the same kernels TensorFlow's own gradient
-of the product runs, so outputs and gradients are bit-identical to Keras's.
-The kernel's gradient is computed before the input's, so the float32 copy
-made again and the float32 input gradient never exist at once.
+of the product runs, so outputs and gradients are bit-identical to Keras's
+(also under XLA and `tf.distribute`). Gradients of gradients (a gradient
+penalty) agree to the rounding of the compute dtype, not bit for bit:
+TensorFlow adds their terms up in another order. The kernel's gradient is
+computed before the input's, so the float32 copy made again and the float32
+input gradient never exist at once.
 
 It applies only where that is certain: inside a `tf.function` (graph mode),
 a `Dense` whose `call` is Keras's own (not overridden by a subclass), with a

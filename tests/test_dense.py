@@ -50,6 +50,8 @@ def _model(policy, *, activation=None, use_bias=True, features=24):
 
 
 def _forward_and_gradients(model, x, mode):
+    """The output and the gradients of the input and of every variable."""
+
     def run(x):
         with tf.GradientTape() as tape:
             tape.watch(x)
@@ -58,8 +60,8 @@ def _forward_and_gradients(model, x, mode):
             loss = tf.reduce_sum(y * tf.range(10, dtype=tf.float32))
         return y, tape.gradient(loss, [x, *model.trainable_variables])
 
-    if mode == "tf_function":
-        run = tf.function(run)
+    if mode != "eager":
+        run = tf.function(run, jit_compile=mode == "xla")
     y, grads = run(x)
     return y.numpy(), [g.numpy() for g in grads]
 
@@ -78,7 +80,7 @@ def _assert_same(actual, expected):
         np.testing.assert_array_equal(a, e)
 
 
-@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+@pytest.mark.parametrize("mode", ["eager", "tf_function", "xla"])
 @pytest.mark.parametrize(
     "policy, activation, use_bias",
     [
@@ -99,6 +101,42 @@ def test_outputs_and_gradients_are_bit_identical_to_keras(
         model = _model(policy, activation=activation, use_bias=use_bias)
         results.append(_forward_and_gradients(model, x, mode))
     _assert_same(results[1], results[0])
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_gradients_of_gradients_agree_to_rounding(policy):
+    # A gradient penalty differentiates the backward pass itself. kmp's
+    # backward runs the same kernels, but TensorFlow adds up the
+    # second-order terms in another order, so they agree to the rounding of
+    # the compute dtype rather than bit for bit (documented in kmp.dense).
+    x = _batch()
+
+    def penalty_gradients(model):
+        @tf.function
+        def run(x):
+            with tf.GradientTape() as outer:
+                with tf.GradientTape() as inner:
+                    inner.watch(x)
+                    loss = tf.reduce_sum(model(x) * tf.range(10.0))
+                input_gradient = inner.gradient(loss, x)
+                penalty = tf.reduce_sum(input_gradient**2)
+            grads = outer.gradient(penalty, model.trainable_variables)
+            return penalty, grads
+
+        penalty, grads = run(x)
+        return penalty.numpy(), [g for g in grads if g is not None]
+
+    results = []
+    for installed in (False, True):
+        _set_installed(installed)
+        results.append(penalty_gradients(_model(policy, activation="tanh")))
+    (penalty, expected), (kmp_penalty, actual) = results
+    assert kmp_penalty == penalty
+    assert len(actual) == len(expected) > 0
+    # 2**-7: a few units in the last place of bfloat16 (8 significant bits).
+    for a, e in zip(actual, expected):
+        scale = np.max(np.abs(e.numpy()))
+        np.testing.assert_allclose(a.numpy(), e.numpy(), atol=scale * 2**-7)
 
 
 def _gradient_graph(model, features=24):
@@ -234,6 +272,27 @@ def test_fit_with_loss_scaling_trains_bit_identically(policy):
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
         model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        weights.append(model.get_weights())
+    for a, e in zip(weights[1], weights[0]):
+        np.testing.assert_array_equal(a, e)
+
+
+def test_fit_on_two_replicas_trains_bit_identically(two_replicas):
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(64, 24)).astype("float32")
+    y = rng.integers(0, 10, size=64)
+    weights = []
+    for installed in (False, True):
+        _set_installed(installed)
+        with two_replicas.scope():
+            model = _model("mixed_bfloat16")
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.1),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True
+                ),
+            )
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
         weights.append(model.get_weights())
     for a, e in zip(weights[1], weights[0]):
         np.testing.assert_array_equal(a, e)
