@@ -35,6 +35,12 @@ Variations (combine them with "+", e.g. `lean-logits+fused-adam`):
   copy; the same numbers as `keras`. A layer of its own, written before
   `kmp/dense.py` did the same to Keras's `Dense` (so `keras` now has it
   too); kept to compare with `keras-as-is`.
+* `recast-kernels`: the MLP's bfloat16 hidden layers cast their float32
+  kernel again in the backward pass instead of keeping its bfloat16 copy
+  (same numbers, one more cast per step).
+* `blocked-input-gradient`: `kmp.dense` makes the float32 logits layer's
+  input gradient in four row blocks, each cast to bfloat16 at once, instead
+  of one float32 product (may round differently in the last bit).
 * `mean-no-upcast`: the CNN's global average pooling in the compute dtype
   (Keras 3's `ops.mean` first casts bfloat16 inputs to float32).
 * `bias-add`: the CNN's convolutions add their bias with `tf.nn.bias_add`,
@@ -47,15 +53,24 @@ Variations (combine them with "+", e.g. `lean-logits+fused-adam`):
     python benchmarks/memory_breakdown.py --models mlp --variants keras,sgd
     python benchmarks/memory_breakdown.py --tf-keras-python /tmp/tfk/bin/python
     python benchmarks/memory_breakdown.py --quick     # checks that it runs
+
+`--at-peak N` also records one more step of each configuration with
+TensorFlow's profiler and lists the N largest tensors alive at the moment
+the step's memory peaks (the op that made each, its shape and dtype):
+
+    python benchmarks/memory_breakdown.py --models mlp --variants keras \
+        --repeats 1 --at-peak 8
 """
 
 import argparse
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 
 import report
 
@@ -80,6 +95,8 @@ MODIFIERS = {
     "bf16-input": "batch handed over in bfloat16",
     "bf16-logits": "last Dense in bfloat16, float32 Activation",
     "lean-logits": "float32 last Dense keeps its bfloat16 input",
+    "recast-kernels": "hidden kernels cast again in the backward pass",
+    "blocked-input-gradient": "logits' input gradient in 4 row blocks",
     "mean-no-upcast": "global average pooling in bfloat16",
     "bias-add": "convolutions add their bias with tf.nn.bias_add",
     "tf_keras": "tf_keras (Keras 2) layers and Adam",
@@ -115,8 +132,14 @@ MEGABYTE = 2**20
 # --- One measurement (runs in a child process) --------------------------------
 
 
-def _child(model_name: str, policy: str, variant: str, quick: bool, steps):
-    """Measures one configuration; prints its per-step peaks as JSON."""
+def _child(
+    model_name: str, policy: str, variant: str, quick: bool, steps, at_peak=0
+):
+    """Measures one configuration; prints its per-step peaks as JSON.
+
+    With `at_peak`, also the `at_peak` largest tensors alive at the peak of
+    one more, profiled, step (`_alive_at_peak`).
+    """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import numpy as np
@@ -137,6 +160,8 @@ def _child(model_name: str, policy: str, variant: str, quick: bool, steps):
             kmp.mean.uninstall()
             kmp.recurrent.uninstall()
             kmp.dense.uninstall()
+        if "blocked-input-gradient" in flags:
+            kmp.dense._product = _blocked_product(tf)
     k.utils.set_random_seed(0)
     sizes = (QUICK_SIZES if quick else SIZES)[model_name]
     model = _build_model(k, tf, model_name, sizes, flags)
@@ -159,7 +184,81 @@ def _child(model_name: str, policy: str, variant: str, quick: bool, steps):
         memory.reset_memory_stats("CPU:0")
         loss = float(step(x, y).numpy())
         peaks.append(memory.get_memory_info("CPU:0")["peak"] - before)
-    print(json.dumps({"peaks": peaks, "loss": loss}), flush=True)
+    result = {"peaks": peaks, "loss": loss}
+    if at_peak:
+        result["alive"] = _alive_at_peak(tf, lambda: step(x, y), at_peak)
+    print(json.dumps(result), flush=True)
+
+
+def _alive_at_peak(tf, run_step, count):
+    """The `count` largest tensors alive when one step's memory peaks.
+
+    The step runs under TensorFlow's profiler (host tracer level 3, which
+    records every allocation and deallocation with the op that made it);
+    replaying those events in time order finds the moment the bytes
+    allocated during the step were highest and what was alive then. Tensors
+    allocated before the step (weights, slots, the batch) are not in it.
+    Returns `[megabytes, op, shape, dtype]` lists, largest first.
+    """
+    from op_profile import _load_xspace
+
+    directory = tempfile.mkdtemp(prefix="kmp-memory-")
+    try:
+        options = tf.profiler.experimental.ProfilerOptions(host_tracer_level=3)
+        tf.profiler.experimental.start(directory, options=options)
+        try:
+            run_step().numpy()
+        finally:
+            tf.profiler.experimental.stop()
+        space = _load_xspace(directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    events = []
+    for plane in space.planes:
+        names = plane.stat_metadata
+        for line in plane.lines:
+            origin = line.timestamp_ns * 1000
+            for event in line.events:
+                kind = plane.event_metadata[event.metadata_id].name
+                if kind not in ("MemoryAllocation", "MemoryDeallocation"):
+                    continue
+                stats = {}
+                for stat in event.stats:
+                    key = names[stat.metadata_id].name
+                    if stat.HasField("ref_value"):
+                        stats[key] = names[stat.ref_value].name
+                    elif stat.HasField("str_value"):
+                        stats[key] = stat.str_value
+                    else:
+                        stats[key] = stat.int64_value or stat.uint64_value
+                events.append((origin + event.offset_ps, kind, stats))
+    events.sort(key=lambda event: event[0])
+    alive, in_use, peak, at_peak = {}, 0, 0, {}
+    for _, kind, stats in events:
+        address = stats.get("addr")
+        if kind == "MemoryAllocation":
+            size = int(stats.get("requested_bytes") or 0)
+            dtype = stats.get("data_type")
+            try:
+                dtype = tf.dtypes.as_dtype(int(dtype)).name
+            except (TypeError, ValueError):
+                dtype = str(dtype)
+            alive[address] = (
+                size,
+                str(stats.get("tf_op", "?")),
+                str(stats.get("shape", "")),
+                dtype,
+            )
+            in_use += size
+            if in_use > peak:
+                peak, at_peak = in_use, dict(alive)
+        elif address in alive:
+            in_use -= alive.pop(address)[0]
+    largest = sorted(at_peak.values(), key=lambda item: -item[0])[:count]
+    return [
+        [size / MEGABYTE, op, shape, dtype]
+        for size, op, shape, dtype in largest
+    ]
 
 
 def _build_model(k, tf, name, sizes, flags):
@@ -177,11 +276,14 @@ def _build_model(k, tf, name, sizes, flags):
         logits = [layers.Dense(10, dtype="float32", name="logits")]
 
     if name == "mlp":
+        hidden = layers.Dense
+        if "recast-kernels" in flags:
+            hidden = _recast_dense_class(k, tf)
         return k.Sequential(
             [
                 k.Input((sizes["inputs"],)),
-                layers.Dense(sizes["units"], activation="relu"),
-                layers.Dense(sizes["units"], activation="relu"),
+                hidden(sizes["units"], activation="relu"),
+                hidden(sizes["units"], activation="relu"),
                 *logits,
             ]
         )
@@ -286,6 +388,76 @@ def _lean_dense_class(k, tf):
     return LeanFloat32Dense
 
 
+def _recast_dense_class(k, tf):
+    """A Dense whose backward pass casts its float32 kernel again.
+
+    Keras keeps the kernel's low-precision copy from the forward pass for
+    the input's gradient; this layer lets it go and casts again when the
+    gradient needs it (the same values: casting is deterministic).
+    """
+    from tensorflow.python.ops import gen_math_ops
+
+    class RecastDense(k.layers.Dense):
+        def call(self, inputs, training=None):
+            @tf.custom_gradient
+            def product(inputs, kernel):
+                def gradient(upstream):
+                    with tf.control_dependencies([upstream]):
+                        low = tf.cast(kernel, inputs.dtype)
+                    d_kernel = gen_math_ops.mat_mul(
+                        inputs, upstream, transpose_a=True, grad_b=True
+                    )
+                    d_inputs = gen_math_ops.mat_mul(
+                        upstream, low, transpose_b=True, grad_a=True
+                    )
+                    return d_inputs, tf.cast(d_kernel, kernel.dtype)
+
+                return tf.matmul(inputs, tf.cast(kernel, inputs.dtype)), (
+                    gradient
+                )
+
+            # The float32 variable itself, not the layer's autocast copy.
+            with k.src.backend.AutocastScope(None):
+                kernel = tf.convert_to_tensor(self._kernel.value)
+            outputs = product(inputs, kernel)
+            outputs = k.ops.add(outputs, self.bias)
+            return self.activation(outputs)
+
+    return RecastDense
+
+
+def _blocked_product(tf, blocks=4):
+    """`kmp.dense`'s product, its input gradient made in row blocks."""
+    from tensorflow.python.ops import gen_math_ops
+
+    def product(wide, source, kernel):
+        @tf.custom_gradient
+        def blocked(source, kernel):
+            def gradient(upstream):
+                with tf.control_dependencies([upstream]):
+                    wide_again = tf.cast(source, tf.float32)
+                d_kernel = gen_math_ops.mat_mul(
+                    wide_again, upstream, transpose_a=True, grad_b=True
+                )
+                parts, previous = [], [d_kernel]
+                for rows in tf.split(upstream, blocks):
+                    # One block at a time: one float32 block alive at once.
+                    with tf.control_dependencies(previous):
+                        part = gen_math_ops.mat_mul(
+                            rows, kernel, transpose_b=True, grad_a=True
+                        )
+                        part = tf.cast(part, source.dtype)
+                    parts.append(part)
+                    previous = [part]
+                return tf.concat(parts, 0), d_kernel
+
+            return tf.matmul(wide, kernel), gradient
+
+        return blocked(source, kernel)
+
+    return product
+
+
 def _make_step(k, tf, model, flags):
     """The training step (a tf.function of the batch) `flags` describe."""
     loss_fn = k.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -320,7 +492,7 @@ def _make_step(k, tf, model, flags):
 # --- The table (parent process) -----------------------------------------------
 
 
-def _run_child(args, model, policy, variant, python):
+def _run_child(args, model, policy, variant, python, at_peak=0):
     command = [
         python,
         os.path.abspath(__file__),
@@ -333,6 +505,8 @@ def _run_child(args, model, policy, variant, python):
     ]
     if args.quick:
         command.append("--quick")
+    if at_peak:
+        command += ["--at-peak", str(at_peak)]
     completed = subprocess.run(
         command, capture_output=True, text=True, check=False
     )
@@ -343,7 +517,7 @@ def _run_child(args, model, policy, variant, python):
             f"measuring {model} {policy} {variant} failed with exit code "
             f"{completed.returncode}"
         )
-    return json.loads(lines[-1])["peaks"]
+    return json.loads(lines[-1])
 
 
 def _variant_list(text: str):
@@ -396,6 +570,14 @@ def _parser():
         action="store_true",
         help="tiny sizes, one repeat of two steps: checks that it runs",
     )
+    parser.add_argument(
+        "--at-peak",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also list the N largest tensors alive at one profiled step's "
+        "memory peak, per configuration (default 0: no profiling)",
+    )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     return parser
 
@@ -417,8 +599,15 @@ def main(argv=None) -> int:
         args.repeats = 1 if args.quick else 2
     if args.steps < 1 or args.repeats < 1:
         parser.error("--steps and --repeats must be at least 1")
+    if args.at_peak < 0:
+        parser.error(f"--at-peak must be 0 or more, not {args.at_peak}")
     if args.child:
-        _child(*args.child, quick=args.quick, steps=args.steps)
+        _child(
+            *args.child,
+            quick=args.quick,
+            steps=args.steps,
+            at_peak=args.at_peak,
+        )
         return 0
 
     tf_keras_python = args.tf_keras_python
@@ -435,7 +624,7 @@ def main(argv=None) -> int:
         print(f"{'':>16}  --quick: tiny sizes; the numbers mean nothing")
     print(flush=True)
 
-    rows = []
+    rows, alive = [], []
     for model in args.models:
         for variant in args.variants or DEFAULT_VARIANTS[model]:
             python = sys.executable
@@ -444,8 +633,15 @@ def main(argv=None) -> int:
             cells, medians = [], []
             for policy in POLICIES:
                 samples = []
-                for _ in range(args.repeats if python else 0):
-                    samples += _run_child(args, model, policy, variant, python)
+                for repeat in range(args.repeats if python else 0):
+                    # Profile in the first process only: one list suffices.
+                    at_peak = args.at_peak if repeat == 0 else 0
+                    result = _run_child(
+                        args, model, policy, variant, python, at_peak
+                    )
+                    samples += result["peaks"]
+                    if "alive" in result:
+                        alive.append((model, variant, policy, result["alive"]))
                 text, median = _summary(samples)
                 cells.append(text)
                 medians.append(median)
@@ -471,6 +667,21 @@ def main(argv=None) -> int:
         rows,
     )
     print(f"Goal: mixed_bfloat16 / float32 <= {GOAL}x.")
+    for model, variant, policy, tensors in alive:
+        print(
+            f"\nAlive at the peak of one profiled step: {model} {variant} "
+            f"{policy} (MB, the op that made it, shape, dtype)"
+        )
+        if not tensors:
+            print("  (the profiler recorded no allocation during the step)")
+            continue
+        report.print_table(
+            ("MB", "made by", "shape", "dtype"),
+            [
+                [f"{size:.1f}", op, shape, dtype]
+                for size, op, shape, dtype in tensors
+            ],
+        )
     return 0
 
 

@@ -368,4 +368,5 @@ print("CPU has AMX BF16:", "amx_bf16" in cpu_flags)
 #   until the backward pass. With kmp imported, such a Dense keeps the
 #   bfloat16 activations instead and casts them again in the backward pass
 #   (`kmp.dense`; same outputs and gradients, bit for bit): the benchmark MLP
-#   at batch 8192 needs 0.65x of float32's training memory instead of 0.87x.
+#   at batch 8192 needs 0.61-0.76x of float32's training memory instead of
+#   0.87x.
