@@ -22,7 +22,8 @@ input gradient never exist at once.
 
 It applies only where that is certain: inside a `tf.function` (graph mode),
 a `Dense` whose `call` is Keras's own (not overridden by a subclass), with a
-float32 kernel, no LoRA and no quantization, fed a rank-2 float32 tensor that
+float32 kernel, no LoRA and no quantization, fed a float32 tensor (any rank,
+known last dimension; e.g. a sequence model's float32 output layer) that
 Keras made by casting a bfloat16 or float16 one. Everything else runs
 Keras's `Dense.call`. Importing kmp installs it; `uninstall()` restores
 Keras's method.
@@ -42,7 +43,10 @@ def _low_precision_source(inputs):
     """The bfloat16/float16 tensor `inputs` was cast from, else None."""
     if tf.executing_eagerly() or not isinstance(inputs, tf.Tensor):
         return None
-    if inputs.dtype != tf.float32 or inputs.shape.rank != 2:
+    rank = inputs.shape.rank
+    if inputs.dtype != tf.float32 or rank is None or rank < 2:
+        return None
+    if inputs.shape[-1] is None:
         return None
     op = getattr(inputs, "op", None)
     if op is None or op.type != "Cast" or len(op.inputs) != 1:
@@ -90,7 +94,20 @@ def _call(self, inputs, training=None):
     source = _low_precision_source(inputs)
     if source is None or not _keeps_input_low(self):
         return _patch.original(self, inputs, training=training)
-    x = _product(inputs, source, ops.convert_to_tensor(self.kernel))
+    kernel = ops.convert_to_tensor(self.kernel)
+    if inputs.shape.rank == 2:
+        x = _product(inputs, source, kernel)
+    else:
+        # As Keras's tensordot does: the product of the rows, reshaped back.
+        depth = inputs.shape[-1]
+        rows = _product(
+            tf.reshape(inputs, [-1, depth]),
+            tf.reshape(source, [-1, depth]),
+            kernel,
+        )
+        shape = tf.concat([tf.shape(inputs)[:-1], tf.shape(kernel)[1:]], 0)
+        x = tf.reshape(rows, shape)
+        x.set_shape(inputs.shape[:-1].concatenate(kernel.shape[1:]))
     if self.bias is not None:
         x = ops.add(x, self.bias)
     if self.activation is not None:

@@ -149,8 +149,15 @@ def _gradient_graph(model, features=24):
     return tf.function(run).get_concrete_function(spec).graph
 
 
+_VIEWS = ("Reshape", "Transpose", "Identity")
+
+
 def _gradient_readers_of_float32_copies(graph):
-    """Ops under the gradient tape's scope reading a bf16/f16 -> f32 cast."""
+    """Gradient ops reading a forward bf16/f16 -> f32 cast (or a view of it).
+
+    A view (Reshape, e.g. in Keras's tensordot for sequence inputs) shares
+    the copy's buffer, so reading it keeps the copy alive too.
+    """
     readers = []
     for op in graph.get_operations():
         if op.type != "Cast" or op.outputs[0].dtype != tf.float32:
@@ -159,11 +166,13 @@ def _gradient_readers_of_float32_copies(graph):
             continue
         if "gradient_tape" in op.name:
             continue  # A cast made in the backward pass itself.
-        readers += [
-            consumer
-            for consumer in op.outputs[0].consumers()
-            if "gradient_tape" in consumer.name
-        ]
+        copies = [op.outputs[0]]
+        while copies:
+            for consumer in copies.pop().consumers():
+                if "gradient_tape" in consumer.name:
+                    readers.append(consumer)
+                elif consumer.type in _VIEWS:
+                    copies.extend(consumer.outputs)
     return readers
 
 
@@ -175,6 +184,32 @@ def test_backward_pass_does_not_keep_the_float32_copy(policy):
     _set_installed(True)
     kmp_graph = _gradient_graph(_model(policy))
     assert not _gradient_readers_of_float32_copies(kmp_graph)
+
+
+def test_sequence_output_layer_does_not_keep_the_float32_copy():
+    def sequence_model():
+        with kmp.policy_scope("mixed_bfloat16"):
+            return keras.Sequential(
+                [
+                    keras.Input((6, 24)),
+                    keras.layers.Dense(32, activation="relu"),
+                    keras.layers.Dense(10, dtype="float32"),
+                ]
+            )
+
+    def graph(model):
+        def run(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x))
+            return tape.gradient(loss, model.trainable_variables)
+
+        spec = tf.TensorSpec((None, 6, 24), tf.float32)
+        return tf.function(run).get_concrete_function(spec).graph
+
+    _set_installed(False)
+    assert _gradient_readers_of_float32_copies(graph(sequence_model()))
+    _set_installed(True)
+    assert not _gradient_readers_of_float32_copies(graph(sequence_model()))
 
 
 def _takes_kmp_path(layer, x):
@@ -209,11 +244,10 @@ def test_other_inputs_and_layers_keep_keras_path():
     assert not _takes_kmp_path(
         keras.layers.Dense(3), tf.TensorSpec((4, 8), tf.float32)
     )
-    # Rank 3: Keras uses tensordot there.
-    assert not _takes_kmp_path(
-        keras.layers.Dense(3, dtype="float32"),
-        tf.TensorSpec((2, 4, 8), tf.bfloat16),
-    )
+    # The input's last dimension unknown (the layer was built with it).
+    built = keras.layers.Dense(3, dtype="float32")
+    built.build((None, 8))
+    assert not _takes_kmp_path(built, tf.TensorSpec((2, 4, None), tf.bfloat16))
     # A layer computing in bfloat16 gets no float32 copy to begin with.
     assert not _takes_kmp_path(
         keras.layers.Dense(3, dtype="mixed_bfloat16"), _bfloat16_cast_input()
@@ -237,6 +271,44 @@ def test_other_inputs_and_layers_keep_keras_path():
     quantized.build((None, 8))
     quantized.quantize("int8")
     assert not _takes_kmp_path(quantized, _bfloat16_cast_input())
+
+
+@pytest.mark.parametrize(
+    "shape, spec",
+    [
+        ((4, 6, 8), (4, 6, 8)),
+        ((4, 6, 8), (None, None, 8)),
+        ((2, 3, 5, 8), None),
+    ],
+    ids=["rank3", "rank3_unknown_batch_and_time", "rank4"],
+)
+def test_sequence_inputs_are_bit_identical_to_keras(shape, spec):
+    rng = np.random.default_rng(5)
+    x = tf.cast(
+        tf.constant(rng.normal(size=shape).astype("float32")), "bfloat16"
+    )
+    results = []
+    for installed in (False, True):
+        _set_installed(installed)
+        keras.utils.set_random_seed(1)
+        layer = keras.layers.Dense(10, dtype="float32", activation="softmax")
+        layer.build((None, 8))
+
+        @tf.function(
+            input_signature=[tf.TensorSpec(spec or shape, tf.bfloat16)]
+        )
+        def run(x, layer=layer):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = layer(x)
+                loss = tf.reduce_sum(y * tf.range(10, dtype=tf.float32))
+            return y, tape.gradient(loss, [x, *layer.trainable_variables])
+
+        y, grads = run(x)
+        assert y.shape == (*shape[:-1], 10)
+        results.append((y.numpy(), [g.numpy() for g in grads]))
+    assert _takes_kmp_path(layer, tf.TensorSpec(spec or shape, tf.bfloat16))
+    _assert_same(results[1], results[0])
 
 
 def test_subclass_without_own_call_gets_identical_results():
