@@ -327,47 +327,51 @@ def test_subclass_without_own_call_gets_identical_results():
     _assert_same(results[1], results[0])
 
 
-@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
-def test_fit_with_loss_scaling_trains_bit_identically(policy):
+def _weights_after_fit(policy, make_optimizer, strategy=None):
+    """Weights after fitting `_model(policy)`: Keras's Dense, then kmp's."""
     rng = np.random.default_rng(2)
     x = rng.normal(size=(64, 24)).astype("float32")
     y = rng.integers(0, 10, size=64)
+    strategy = strategy or tf.distribute.get_strategy()
     weights = []
     for installed in (False, True):
         _set_installed(installed)
-        model = _model(policy)
-        optimizer = keras.optimizers.Adam(1e-2)
-        if policy == "mixed_float16":
-            optimizer = kmp.LossScaleOptimizer(optimizer)
-        model.compile(
-            optimizer=optimizer,
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
-        model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
-        weights.append(model.get_weights())
-    for a, e in zip(weights[1], weights[0]):
-        np.testing.assert_array_equal(a, e)
-
-
-def test_fit_on_two_replicas_trains_bit_identically(two_replicas):
-    rng = np.random.default_rng(4)
-    x = rng.normal(size=(64, 24)).astype("float32")
-    y = rng.integers(0, 10, size=64)
-    weights = []
-    for installed in (False, True):
-        _set_installed(installed)
-        with two_replicas.scope():
-            model = _model("mixed_bfloat16")
+        with strategy.scope():
+            model = _model(policy)
             model.compile(
-                optimizer=keras.optimizers.SGD(0.1),
+                optimizer=make_optimizer(),
                 loss=keras.losses.SparseCategoricalCrossentropy(
                     from_logits=True
                 ),
             )
-        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
         weights.append(model.get_weights())
-    for a, e in zip(weights[1], weights[0]):
+    return weights
+
+
+def _assert_same_weights(weights):
+    keras_weights, kmp_weights = weights
+    assert len(kmp_weights) == len(keras_weights)
+    for a, e in zip(kmp_weights, keras_weights):
         np.testing.assert_array_equal(a, e)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_fit_with_loss_scaling_trains_bit_identically(policy):
+    def make_optimizer():
+        optimizer = keras.optimizers.Adam(1e-2)
+        if policy == "mixed_float16":
+            return kmp.LossScaleOptimizer(optimizer)
+        return optimizer
+
+    _assert_same_weights(_weights_after_fit(policy, make_optimizer))
+
+
+def test_fit_on_two_replicas_trains_bit_identically(two_replicas):
+    weights = _weights_after_fit(
+        "mixed_bfloat16", lambda: keras.optimizers.SGD(0.1), two_replicas
+    )
+    _assert_same_weights(weights)
 
 
 def test_exported_model_serves_the_same_outputs(tmp_path):
