@@ -71,8 +71,9 @@ def _product(wide, source, kernel):
     @tf.custom_gradient
     def product(source, kernel):
         def gradient(upstream):
-            # The control input keeps Grappler from merging this cast with
-            # the forward one (which would keep the copy alive again).
+            # Cast again only once the backward pass has reached the layer:
+            # with `source` alone as input, the cast could run (and its
+            # float32 result be held) as early as the forward pass.
             with tf.control_dependencies([upstream]):
                 wide_again = tf.cast(source, tf.float32)
             d_kernel = gen_math_ops.mat_mul(
