@@ -14,7 +14,7 @@ to step and from process to process. So every step is one sample: the table
 gives the median of all steps of all `--repeats` processes and their range,
 and the ratio of the two medians.
 
-Variations (combine them with "+", e.g. `lean-logits+fused-adam`):
+Variations (combine them with "+", e.g. `recast-kernels+fused-adam`):
 
 * `keras`: the benchmark as it is (Keras 3 layers, Keras 3 Adam), with kmp
   imported, so with kmp's bfloat16 mean (`kmp/mean.py`), recurrent-layer
@@ -30,11 +30,6 @@ Variations (combine them with "+", e.g. `lean-logits+fused-adam`):
 * `bf16-input`: the batch is handed over in bfloat16 already.
 * `bf16-logits`: the last Dense computes in the policy's dtype and a float32
   `Activation("linear")` casts the logits (Keras's guide's layout).
-* `lean-logits`: a float32 last Dense that keeps its bfloat16 input for the
-  backward pass and casts it again there, instead of keeping the float32
-  copy; the same numbers as `keras`. A layer of its own, written before
-  `kmp/dense.py` did the same to Keras's `Dense` (so `keras` now has it
-  too); kept to compare with `keras-as-is`.
 * `recast-kernels`: the MLP's bfloat16 hidden layers cast their float32
   kernel again in the backward pass instead of keeping its bfloat16 copy
   (same numbers, one more cast per step).
@@ -94,7 +89,6 @@ MODIFIERS = {
     "barrier": "all gradients before the first update",
     "bf16-input": "batch handed over in bfloat16",
     "bf16-logits": "last Dense in bfloat16, float32 Activation",
-    "lean-logits": "float32 last Dense keeps its bfloat16 input",
     "recast-kernels": "hidden kernels cast again in the backward pass",
     "blocked-input-gradient": "logits' input gradient in 4 row blocks",
     "mean-no-upcast": "global average pooling in bfloat16",
@@ -104,6 +98,7 @@ MODIFIERS = {
 DEFAULT_VARIANTS = {
     "mlp": (
         "keras",
+        "keras-as-is",
         "tf_keras",
         "no-update",
         "sgd",
@@ -111,8 +106,8 @@ DEFAULT_VARIANTS = {
         "barrier",
         "bf16-input",
         "bf16-logits",
-        "lean-logits",
-        "lean-logits+fused-adam",
+        "recast-kernels",
+        "blocked-input-gradient",
     ),
     "cnn": (
         "keras",
@@ -161,7 +156,7 @@ def _child(
             kmp.recurrent.uninstall()
             kmp.dense.uninstall()
         if "blocked-input-gradient" in flags:
-            kmp.dense._product = _blocked_product(tf)
+            kmp.dense._input_gradient = _blocked_input_gradient(tf)
     k.utils.set_random_seed(0)
     sizes = (QUICK_SIZES if quick else SIZES)[model_name]
     model = _build_model(k, tf, model_name, sizes, flags)
@@ -265,9 +260,7 @@ def _build_model(k, tf, name, sizes, flags):
     """The memory benchmark's model, with the layers `flags` change."""
     layers = k.layers
 
-    if "lean-logits" in flags:
-        logits = [_lean_dense_class(k, tf)(10, name="logits")]
-    elif "bf16-logits" in flags:
+    if "bf16-logits" in flags:
         logits = [
             layers.Dense(10, name="logits"),
             layers.Activation("linear", dtype="float32"),
@@ -336,58 +329,6 @@ def _build_model(k, tf, name, sizes, flags):
     )
 
 
-def _lean_dense_class(k, tf):
-    """A float32 Dense whose backward pass keeps its low-precision input.
-
-    A float32 layer fed bfloat16 activations casts them to float32, and the
-    MatMul's gradient keeps that float32 copy (twice the bytes) alive until
-    the backward pass reaches the layer. This layer keeps the bfloat16 input
-    instead and casts it again in the backward pass, where the kernel's
-    gradient is computed before the input's so the float32 copy and the
-    float32 input gradient never coexist. A cast to a wider type is exact,
-    so the results are the same.
-    """
-
-    class LeanFloat32Dense(k.layers.Layer):
-        def __init__(self, units, **kwargs):
-            super().__init__(dtype="float32", **kwargs)
-            self.units = units
-            self._convert_input_args = False
-
-        def build(self, input_shape):
-            self.kernel = self.add_weight(
-                shape=(input_shape[-1], self.units),
-                initializer="glorot_uniform",
-            )
-            self.bias = self.add_weight(
-                shape=(self.units,), initializer="zeros"
-            )
-
-        def call(self, inputs):
-            @tf.custom_gradient
-            def matmul(low, kernel):
-                def grad(upstream):
-                    wide = tf.cast(low, tf.float32)
-                    d_kernel = tf.matmul(wide, upstream, transpose_a=True)
-                    # The float32 copy is freed before the float32 input
-                    # gradient is made: never both at once.
-                    with tf.control_dependencies([d_kernel]):
-                        d_wide = tf.matmul(upstream, kernel, transpose_b=True)
-                    return tf.cast(d_wide, low.dtype), d_kernel
-
-                return tf.matmul(tf.cast(low, tf.float32), kernel), grad
-
-            kernel = tf.convert_to_tensor(self.kernel)
-            if inputs.dtype == tf.float32:
-                outputs = tf.matmul(inputs, kernel)
-            else:
-                outputs = matmul(inputs, kernel)
-            # As Dense adds it, so the bias gradient sums in the same order.
-            return k.ops.add(outputs, self.bias)
-
-    return LeanFloat32Dense
-
-
 def _recast_dense_class(k, tf):
     """A Dense whose backward pass casts its float32 kernel again.
 
@@ -426,36 +367,22 @@ def _recast_dense_class(k, tf):
     return RecastDense
 
 
-def _blocked_product(tf, blocks=4):
-    """`kmp.dense`'s product, its input gradient made in row blocks."""
+def _blocked_input_gradient(tf, blocks=4):
+    """`kmp.dense`'s input gradient, made in row blocks cast one at a time."""
     from tensorflow.python.ops import gen_math_ops
 
-    def product(wide, source, kernel):
-        @tf.custom_gradient
-        def blocked(source, kernel):
-            def gradient(upstream):
-                with tf.control_dependencies([upstream]):
-                    wide_again = tf.cast(source, tf.float32)
-                d_kernel = gen_math_ops.mat_mul(
-                    wide_again, upstream, transpose_a=True, grad_b=True
+    def input_gradient(upstream, kernel, dtype):
+        parts = []
+        for rows in tf.split(upstream, blocks):
+            # After the previous block: one float32 block alive at once.
+            with tf.control_dependencies(parts[-1:]):
+                part = gen_math_ops.mat_mul(
+                    rows, kernel, transpose_b=True, grad_a=True
                 )
-                parts, previous = [], [d_kernel]
-                for rows in tf.split(upstream, blocks):
-                    # One block at a time: one float32 block alive at once.
-                    with tf.control_dependencies(previous):
-                        part = gen_math_ops.mat_mul(
-                            rows, kernel, transpose_b=True, grad_a=True
-                        )
-                        part = tf.cast(part, source.dtype)
-                    parts.append(part)
-                    previous = [part]
-                return tf.concat(parts, 0), d_kernel
+                parts.append(tf.cast(part, dtype))
+        return tf.concat(parts, 0)
 
-            return tf.matmul(wide, kernel), gradient
-
-        return blocked(source, kernel)
-
-    return product
+    return input_gradient
 
 
 def _make_step(k, tf, model, flags):

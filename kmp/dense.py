@@ -65,6 +65,17 @@ def _keeps_input_low(layer) -> bool:
     )
 
 
+def _input_gradient(upstream, kernel, dtype):
+    """The product's gradient for its input, cast to the input's `dtype`.
+
+    What TensorFlow's MatMul gradient and the Cast's gradient compute.
+    """
+    d_wide = gen_math_ops.mat_mul(
+        upstream, kernel, transpose_b=True, grad_a=True
+    )
+    return tf.cast(d_wide, dtype)
+
+
 def _product(wide, source, kernel):
     """`wide @ kernel`, whose gradient casts `source` again for the kernel's."""
 
@@ -80,10 +91,8 @@ def _product(wide, source, kernel):
                 wide_again, upstream, transpose_a=True, grad_b=True
             )
             with tf.control_dependencies([d_kernel]):
-                d_wide = gen_math_ops.mat_mul(
-                    upstream, kernel, transpose_b=True, grad_a=True
-                )
-            return tf.cast(d_wide, source.dtype), d_kernel
+                d_source = _input_gradient(upstream, kernel, source.dtype)
+            return d_source, d_kernel
 
         return tf.matmul(wide, kernel), gradient
 
