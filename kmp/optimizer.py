@@ -53,6 +53,23 @@ _KerasOptimizer = keras.optimizers.Optimizer
 _FLOAT16_TYPES = (tf.float16, tf.bfloat16)
 _MAX_INT64 = 2**63 - 1  # The step counters are int64 variables.
 
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type: both a `TypeError` and a `ValueError`.
+
+    Raised for an `initial_scale` that is not a number and a
+    `dynamic_growth_steps` that is not an integer, which the contract
+    answers with `ValueError` ("must be a finite number >= 1", "a positive
+    integer") and Python's convention with `TypeError`: either catches it.
+
+    >>> try:
+    ...     LossScaleOptimizer(keras.optimizers.SGD(), initial_scale="8")
+    ... except ValueError as error:
+    ...     print(type(error).__name__, isinstance(error, TypeError))
+    ArgumentTypeError True
+    """
+
+
 # Which protocol the gradients reaching `apply_gradients` follow: "scaled"
 # after `scale_loss` (Keras 3's protocol, which `fit` uses), "unscaled" after
 # `get_scaled_loss` / `get_unscaled_gradients`. Recorded per thread (each
@@ -119,7 +136,7 @@ def _check_arguments(inner_optimizer, dynamic, initial_scale, growth_steps):
     elif isinstance(initial_scale, bool) or not isinstance(
         initial_scale, numbers.Real
     ):
-        raise TypeError(
+        raise ArgumentTypeError(
             "'initial_scale' must be a number (a finite float >= 1). "
             f"Received: initial_scale={initial_scale!r} of type "
             f"{type(initial_scale).__name__}"
@@ -142,7 +159,7 @@ def _check_arguments(inner_optimizer, dynamic, initial_scale, growth_steps):
     elif isinstance(growth_steps, bool) or not isinstance(
         growth_steps, numbers.Integral
     ):
-        raise TypeError(
+        raise ArgumentTypeError(
             "'dynamic_growth_steps' must be a positive integer. Received: "
             f"dynamic_growth_steps={growth_steps!r} of type "
             f"{type(growth_steps).__name__}"
@@ -195,7 +212,10 @@ def _check_skip_options(max_skips, on_persistent_skips, record_nonfinite):
 def _describe(value) -> str:
     """A short description of a user's value for an error message."""
     if isinstance(value, (tf.Tensor, tf.Variable, keras.Variable)):
-        return f"a tensor of dtype {value.dtype.name} and shape {value.shape}"
+        # A Keras variable's dtype is a string, a TensorFlow one's a DType.
+        dtype = tf.as_dtype(value.dtype).name
+        kind = "a tensor" if isinstance(value, tf.Tensor) else "a variable"
+        return f"{kind} of dtype {dtype} and shape {tuple(value.shape)}"
     text = repr(value)
     if len(text) > 200:
         text = text[:197] + "..."
@@ -221,9 +241,12 @@ def _floating_tensor(value, argument: str) -> tf.Tensor:
             f"{argument}={_describe(value)}"
         ) from None
     if not tensor.dtype.is_floating:
+        received = _describe(value)
+        if not isinstance(value, (tf.Tensor, tf.Variable, keras.Variable)):
+            received += f" (dtype {tensor.dtype.name})"
         raise TypeError(
             f"'{argument}' must be floating point. Received: "
-            f"{argument}={_describe(value)} (dtype {tensor.dtype.name})"
+            f"{argument}={received}"
         )
     return tensor
 
@@ -253,6 +276,57 @@ def _check_learning_rate(value) -> None:
             "'learning_rate' must be floating point. Received: "
             f"learning_rate={_describe(value)}"
         )
+
+
+def _variable_name(variable) -> str:
+    return getattr(variable, "path", None) or variable.name
+
+
+def _checked_gradients(grads, variables) -> List:
+    """`grads` as tensors, after checking each against its variable.
+
+    A gradient may be None, a `tf.IndexedSlices` or anything convertible to
+    a floating tensor of its variable's shape; each variable must be a Keras
+    or TensorFlow variable. The error names the position and the variable.
+    """
+    checked = []
+    for index, (gradient, variable) in enumerate(zip(grads, variables)):
+        if not isinstance(variable, (keras.Variable, tf.Variable)):
+            raise TypeError(
+                "Every variable must be a Keras or TensorFlow variable, such "
+                "as those in model.trainable_variables. Received at position "
+                f"{index}: {_describe(variable)}"
+            )
+        if gradient is None:
+            checked.append(None)
+            continue
+        where = (
+            f"The gradient of {_variable_name(variable)!r} (position {index})"
+        )
+        if isinstance(gradient, tf.IndexedSlices):
+            values, shape = gradient.values, gradient.values.shape[1:]
+            expected = tf.TensorShape(variable.shape)[1:]
+        else:
+            try:
+                gradient = tf.convert_to_tensor(gradient)
+            except (TypeError, ValueError):
+                raise TypeError(
+                    f"{where} must be a floating tensor, a tf.IndexedSlices "
+                    f"or None. Received: {_describe(gradient)}"
+                ) from None
+            values, shape = gradient, gradient.shape
+            expected = tf.TensorShape(variable.shape)
+        if not values.dtype.is_floating:
+            raise TypeError(
+                f"{where} must be floating point. Received: {_describe(values)}"
+            )
+        if not shape.is_compatible_with(expected):
+            raise ValueError(
+                f"{where} must have the variable's shape {tuple(expected)}. "
+                f"Received: {_describe(values)}"
+            )
+        checked.append(gradient)
+    return checked
 
 
 def _scale_tensor(tensor: tf.Tensor, scale: tf.Tensor, divide: bool):
@@ -544,7 +618,9 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
 
     Raises:
         TypeError: `inner_optimizer` is not a Keras optimizer, or is already a
-            loss-scale optimizer; an argument has the wrong type.
+            loss-scale optimizer; an argument has the wrong type (for
+            `initial_scale` and `dynamic_growth_steps` an `ArgumentTypeError`,
+            which is a `ValueError` too).
         ValueError: an argument has a wrong value, or the optimizer is created
             under an unsupported distribution strategy (TPU, parameter servers).
 
@@ -814,8 +890,39 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                     name="nonfinite_mask",
                 )
 
+    def apply_gradients(self, grads_and_vars):
+        """Applies `(gradient, variable)` pairs; returns `iterations`.
+
+        See `apply` for what it checks.
+        """
+        if isinstance(grads_and_vars, (str, bytes, Mapping)) or not (
+            isinstance(grads_and_vars, Iterable)
+        ):
+            raise TypeError(
+                "'grads_and_vars' must be (gradient, variable) pairs, such as "
+                "zip(grads, model.trainable_variables). Received: "
+                f"grads_and_vars={_describe(grads_and_vars)}"
+            )
+        pairs = list(grads_and_vars)
+        for index, pair in enumerate(pairs):
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise TypeError(
+                    "'grads_and_vars' must be (gradient, variable) pairs, "
+                    "such as zip(grads, model.trainable_variables). Received "
+                    f"at position {index}: {_describe(pair)}"
+                )
+        self.apply([g for g, _ in pairs], [v for _, v in pairs])
+        return self.iterations  # The inner optimizer's, as Keras's returns.
+
     def apply(self, grads, trainable_variables=None):
-        """Applies one step; see the class docstring. Not for stateless use."""
+        """Applies one step; see the class docstring. Not for stateless use.
+
+        Raises:
+            TypeError: a variable is not a variable, or a gradient is not a
+                floating tensor, `tf.IndexedSlices` or None.
+            ValueError: the counts of gradients and variables differ, or a
+                gradient's shape is not its variable's.
+        """
         grads = list(grads)
         if trainable_variables is None:
             if not self.built:
@@ -833,6 +940,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                 f"{len(grads)} gradients for {len(trainable_variables)} "
                 "variables."
             )
+        grads = _checked_gradients(grads, trainable_variables)
         if not grads:
             return
         if tf.distribute.has_strategy() and (

@@ -213,6 +213,66 @@ def test_fit_fault_on_one_replica_skips_on_all(two_replicas, policy):
     _assert_match_single_device(model, single_model, two_replicas, policy)
 
 
+# --- Saving under a strategy ------------------------------------------------
+
+
+def _trained_under(strategy, policy="mixed_float16"):
+    """A model fit 7 steps under `strategy`, the second one skipped."""
+    x, y = rel.make_data(batches=7)
+    y[rel.GLOBAL_BATCH, 0] = np.inf  # The second step's gradients are inf.
+    keras.utils.set_random_seed(0)
+    with kmp.policy_scope(policy), strategy.scope():
+        model = keras.Sequential(rel.make_layers())
+        model.compile(optimizer=rel.make_optimizer(), loss="mse")
+    model.fit(x, y, batch_size=rel.GLOBAL_BATCH, shuffle=False, verbose=0)
+    return model
+
+
+def _optimizer_values(optimizer, strategy):
+    """Each replica's value of every optimizer variable, in order.
+
+    Slots are named after the model's layers, which differ between models.
+    """
+    return [rel.local_values(v, strategy) for v in optimizer.variables]
+
+
+def test_checkpoint_and_model_save_keep_the_scale_under_a_strategy(
+    two_replicas, tmp_path
+):
+    model = _trained_under(two_replicas)
+    optimizer = model.optimizer
+    # Scale 16, growth every 2 steps: skip (8), double (16), double (32).
+    assert _scale_state(optimizer) == (32.0, 1, 6, 1)
+    saved = _optimizer_values(optimizer, two_replicas)
+    config = optimizer.get_config()
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    path = checkpoint.write(str(tmp_path / "ckpt"))
+    model.save(tmp_path / "model.keras")
+
+    with kmp.policy_scope("mixed_float16"), two_replicas.scope():
+        fresh = keras.Sequential(rel.make_layers())
+        fresh_optimizer = kmp.LossScaleOptimizer.from_config(config)
+        fresh.compile(optimizer=fresh_optimizer, loss="mse")
+        fresh_optimizer.build(fresh.trainable_variables)
+    assert fresh_optimizer.get_config() == config
+    assert _scale_state(fresh_optimizer) == (16.0, 0, 0, 0)
+    tf.train.Checkpoint(model=fresh, optimizer=fresh_optimizer).read(
+        path
+    ).assert_existing_objects_matched()
+    with two_replicas.scope():
+        loaded = keras.saving.load_model(tmp_path / "model.keras")
+
+    for restored in (fresh_optimizer, loaded.optimizer):
+        assert isinstance(restored, kmp.LossScaleOptimizer)
+        assert _scale_state(restored) == (32.0, 1, 6, 1)
+        values = _optimizer_values(restored, two_replicas)
+        assert len(values) == len(saved) > 4  # Scale, counters, slots.
+        for replica_values, expected_values in zip(values, saved):
+            assert len(replica_values) == len(expected_values)
+            for value, expected in zip(replica_values, expected_values):
+                np.testing.assert_array_equal(value, expected)
+
+
 # --- Why kmp exists: Keras 3's own optimizer ---------------------------------
 
 

@@ -352,25 +352,33 @@ def test_initial_scale_must_be_a_number(initial_scale):
     inner = keras.optimizers.Adam(0.01)
 
     def construct():
-        with pytest.raises(TypeError, match="'initial_scale' must be a number"):
-            LossScaleOptimizer(inner, initial_scale=initial_scale)
+        # The contract promises ValueError; Python's convention, TypeError.
+        for error in (ValueError, TypeError):
+            with pytest.raises(error, match="'initial_scale' must be a number"):
+                LossScaleOptimizer(inner, initial_scale=initial_scale)
 
     _assert_unchanged_by(inner, construct)
 
 
 @pytest.mark.parametrize(
-    "growth_steps, error",
-    [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)],
+    "growth_steps, errors",
+    [
+        (0, (ValueError,)),
+        (-1, (ValueError,)),
+        (1.5, (ValueError, TypeError)),
+        (True, (ValueError, TypeError)),
+    ],
     ids=["zero", "negative", "float", "bool"],
 )
-def test_dynamic_growth_steps_must_be_a_positive_integer(growth_steps, error):
+def test_dynamic_growth_steps_must_be_a_positive_integer(growth_steps, errors):
     inner = keras.optimizers.Adam(0.01)
 
     def construct():
-        with pytest.raises(
-            error, match="'dynamic_growth_steps' must be a positive integer"
-        ):
-            LossScaleOptimizer(inner, dynamic_growth_steps=growth_steps)
+        for error in errors:
+            with pytest.raises(
+                error, match="'dynamic_growth_steps' must be a positive integer"
+            ):
+                LossScaleOptimizer(inner, dynamic_growth_steps=growth_steps)
 
     _assert_unchanged_by(inner, construct)
 
@@ -755,6 +763,116 @@ def test_unscaled_gradients_reject_integer_gradients():
     optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
     with pytest.raises(TypeError, match=r"'grads\[1\]' must be floating"):
         optimizer.get_unscaled_gradients([tf.constant(1.0), tf.constant(2)])
+
+
+def test_scaled_loss_names_a_keras_variable_of_the_wrong_dtype():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(
+        TypeError,
+        match="'loss' must be floating point.*a variable of dtype bool",
+    ):
+        optimizer.get_scaled_loss(keras.Variable(True))
+
+
+def _bad_apply_calls():
+    """(id, call(optimizer, kernel, bias), error, message) per bad call."""
+    ones = tf.ones
+    return [
+        (
+            "string_gradient",
+            lambda o, k, b: o.apply_gradients([("x", k)]),
+            TypeError,
+            r"gradient of '.*kernel' \(position 0\) must be floating point",
+        ),
+        (
+            "integer_gradient",
+            lambda o, k, b: o.apply_gradients(
+                [(ones((4, 2)), k), (ones((2,), "int32"), b)]
+            ),
+            TypeError,
+            r"gradient of '.*bias' \(position 1\) must be floating.*int32",
+        ),
+        (
+            "wrong_shape",
+            lambda o, k, b: o.apply_gradients([(ones((2, 4)), k)]),
+            ValueError,
+            r"'.*kernel' \(position 0\) must have the variable's shape "
+            r"\(4, 2\).*shape \(2, 4\)",
+        ),
+        (
+            "sparse_wrong_shape",
+            lambda o, k, b: o.apply_gradients(
+                [(tf.IndexedSlices(ones((1, 3)), tf.constant([0])), k)]
+            ),
+            ValueError,
+            r"must have the variable's shape \(2,\)",
+        ),
+        (
+            "string_variable",
+            lambda o, k, b: o.apply_gradients([(ones((4, 2)), "kernel")]),
+            TypeError,
+            r"must be a Keras or TensorFlow variable.*position 0: 'kernel'",
+        ),
+        (
+            "not_pairs",
+            lambda o, k, b: o.apply_gradients([ones((4, 2)), ones((2,))]),
+            TypeError,
+            r"\(gradient, variable\) pairs.*position 0: a tensor",
+        ),
+        (
+            "mapping",
+            lambda o, k, b: o.apply_gradients({"kernel": ones((4, 2))}),
+            TypeError,
+            r"'grads_and_vars' must be \(gradient, variable\) pairs",
+        ),
+        (
+            "counts_differ",
+            lambda o, k, b: o.apply([ones((4, 2))], [k, b]),
+            ValueError,
+            "one gradient per variable. Received 1 gradients for 2 variables",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+@pytest.mark.parametrize(
+    "call, error, message",
+    [case[1:] for case in _bad_apply_calls()],
+    ids=[case[0] for case in _bad_apply_calls()],
+)
+def test_apply_gradients_rejects_bad_input_and_changes_nothing(
+    mode, call, error, message
+):
+    layer = keras.layers.Dense(2)
+    layer.build((None, 4))
+    kernel, bias = layer.kernel, layer.bias
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8)
+    # One good step first, so there are slots and iterations to keep.
+    optimizer.apply_gradients(
+        [(tf.ones((4, 2)), kernel), (tf.ones((2,)), bias)]
+    )
+    weights = _values([kernel, bias])
+
+    def bad_step():
+        call(optimizer, kernel, bias)
+
+    def attempt():
+        with pytest.raises(error, match=message):
+            _compiled(bad_step, mode)()
+
+    _assert_unchanged_by(optimizer, attempt)
+    _assert_weights_equal(_values([kernel, bias]), weights)
+    assert _optimizer_state(optimizer) == (8.0, 1, 0, 1)
+
+
+def test_apply_gradients_converts_arrays_and_returns_iterations():
+    variable = keras.Variable([1.0, 2.0])
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=8)
+    iterations = optimizer.apply_gradients(
+        [(np.array([2.0, 4.0], "float32"), variable)]
+    )
+    np.testing.assert_array_equal(np.array(variable), [0.0, 0.0])
+    assert int(iterations) == 1
 
 
 # --- 5. Both protocols give the float32 reference, bit for bit ----------------
@@ -1213,6 +1331,56 @@ def test_compile_string_optimizer_under_mixed_float16_scales_the_loss():
     # Every step either counted towards growth or was skipped and halved.
     assert int(optimizer.iterations) + int(optimizer.skipped_steps) == steps
     assert _optimizer_state(optimizer)[:2] != (2.0**15, 0)
+
+
+def _tiny_loss(y_true, y_pred):
+    """A loss whose gradient (1e-8 / batch) underflows to 0 in float16."""
+    del y_true
+    return 1e-8 * keras.ops.mean(keras.ops.cast(y_pred, "float32"))
+
+
+def _kernel_after_one_fit_step(optimizer, **compile_kwargs):
+    """One fit step of a float16 Dense(1) with a zero kernel on `_tiny_loss`."""
+    kmp.set_global_policy("mixed_float16")
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros"),
+        ]
+    )
+    model.compile(optimizer=optimizer, loss=_tiny_loss, **compile_kwargs)
+    model.fit(X[:BATCH_SIZE], Y[:BATCH_SIZE, :1], batch_size=BATCH_SIZE)
+    return np.array(model.layers[0].kernel)[:, 0], model.optimizer
+
+
+@pytest.mark.parametrize(
+    "optimizer, learning_rate",
+    [
+        (lambda: LossScaleOptimizer(keras.optimizers.SGD(1.0)), 1.0),
+        ("sgd", 0.01),
+    ],
+    ids=["explicit", "string"],
+)
+def test_fit_scales_the_loss_so_float16_gradients_survive(
+    optimizer, learning_rate
+):
+    # The kernel's gradient is 1e-8 times each input's batch mean: float16
+    # gradients of the output underflow to 0 unless the loss is scaled.
+    true_gradient = 1e-8 * X[:BATCH_SIZE].astype("float64").mean(axis=0)
+    if callable(optimizer):
+        optimizer = optimizer()
+    kernel, used = _kernel_after_one_fit_step(optimizer)
+    assert isinstance(used, LossScaleOptimizer)
+    assert int(used.iterations) == 1 and int(used.skipped_steps) == 0
+    np.testing.assert_allclose(
+        kernel, -learning_rate * true_gradient, rtol=1e-2
+    )
+
+    # Without loss scaling the same step leaves the kernel at zero.
+    plain, _ = _kernel_after_one_fit_step(
+        keras.optimizers.SGD(1.0), auto_scale_loss=False
+    )
+    np.testing.assert_array_equal(plain, np.zeros(4, "float32"))
 
 
 def test_compile_does_not_wrap_with_auto_scale_loss_false():
