@@ -64,6 +64,16 @@ def _check_graph_model(model, function: str) -> None:
     )
 
 
+def _check_built(model, function: str, needs: str) -> None:
+    """Raises ValueError unless `model` is built (`needs`: why it must be)."""
+    if not model.built:
+        raise ValueError(
+            f"Model {model.name!r} is not built, so kmp.{function}() {needs}. "
+            "Start it with keras.Input(shape) or call "
+            "model.build(input_shape) first."
+        )
+
+
 def _leaf_layers(model) -> List[keras.Layer]:
     """The model's layers in order, with nested models replaced by theirs."""
     layers = []
@@ -225,7 +235,8 @@ def convert(
             entry of `keep_float32` has the wrong type.
         ValueError: `policy` is no floating policy; a name or pattern in
             `keep_float32` matches no layer (the message lists the layers); a
-            layer is quantized.
+            layer is quantized; `model` is not built; a layer cannot be
+            rebuilt from its config (a Lambda layer, for one).
 
     Example:
 
@@ -241,6 +252,7 @@ def convert(
     """
     policy = _to_policy(policy, "policy")
     _check_graph_model(model, "convert")
+    _check_built(model, "convert", "cannot tell which layers give its outputs")
     entries = _keep_float32_entries(keep_float32)
     layers = _leaf_layers(model)
     for layer in layers:
@@ -270,12 +282,25 @@ def convert(
     # The containers are created under `policy` too, so that compile() sees a
     # "mixed_float16" model and adds loss scaling by itself.
     with policy_scope(policy):
-        converted = keras.models.clone_model(
-            model,
-            input_tensors=_named_inputs(model),
-            clone_function=clone_layer,
-            recursive=True,
-        )
+        try:
+            converted = keras.models.clone_model(
+                model,
+                input_tensors=_named_inputs(model),
+                clone_function=clone_layer,
+                recursive=True,
+            )
+        except (TypeError, ValueError, NotImplementedError) as error:
+            reason = str(error).strip().rstrip(".")
+            raise ValueError(
+                f"kmp.convert() rebuilds every layer from its config "
+                f"(layer.get_config()), and rebuilding {model.name!r} failed: "
+                f"{reason}. Layers that cannot be rebuilt from their config "
+                "(Lambda layers, custom layers without a complete "
+                "get_config(), subclassed models inside) are converted by "
+                "building the model again under the policy instead: `with "
+                "kmp.policy_scope(policy): new = build_model()`, then "
+                "`new.set_weights(model.get_weights())`."
+            ) from error
     for layer, clone in pairs:
         clone.set_weights(layer.get_weights())
     if model.compiled and policy.compute_dtype != "float16":

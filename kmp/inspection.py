@@ -24,6 +24,7 @@ from typing import Optional
 
 from kmp._backend import keras
 from kmp.conversion import LOW_PRECISION_DTYPES
+from kmp.conversion import _check_built
 from kmp.conversion import _check_graph_model
 from kmp.conversion import _is_floating
 from kmp.conversion import _is_graph_model
@@ -213,7 +214,7 @@ def summary(
 
     Raises:
         TypeError: `model` is subclassed (kmp cannot see its layers' outputs)
-            or not a model.
+            or not a model; `print_fn` is not callable.
         ValueError: `model` is a Sequential model that is not built yet.
 
     Example:
@@ -225,13 +226,14 @@ def summary(
     >>> "Model output" in text and "Tensor Cores" in text
     True
     """
-    _check_graph_model(model, "summary")
-    if not model.built:
-        raise ValueError(
-            f"Model {model.name!r} is not built, so its layers have no dtypes "
-            "to show yet. Start it with keras.Input(shape) or call "
-            "model.build(input_shape) first."
+    if print_fn is not None and not callable(print_fn):
+        raise TypeError(
+            "'print_fn' must be None or a function taking the text, such as "
+            f"print. Received: print_fn={print_fn!r} of type "
+            f"{type(print_fn).__name__}"
         )
+    _check_graph_model(model, "summary")
+    _check_built(model, "summary", "has no layer dtypes to show yet")
     rows = _layer_rows(model)
     lines = [
         f"Model {model.name!r} ({type(model).__name__}); global policy "

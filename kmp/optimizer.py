@@ -1178,6 +1178,13 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
 
     @classmethod
     def from_config(cls, config: dict, custom_objects=None):
+        """Creates the optimizer from `get_config()`'s output."""
+        if not isinstance(config, Mapping) or "inner_optimizer" not in config:
+            raise ValueError(
+                "'config' must be a dict with at least the key "
+                "'inner_optimizer', as returned by get_config(). Received: "
+                f"config={_describe(config)}"
+            )
         config = dict(config)
         inner = serialization_lib.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects

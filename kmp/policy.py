@@ -16,7 +16,9 @@ global policy, with two differences that kmp makes when it is imported:
 
 import contextlib
 import threading
+from typing import ContextManager
 from typing import Iterator
+from typing import Optional
 from typing import Union
 
 from keras.src.backend.common import global_state as _keras_global_state
@@ -40,9 +42,9 @@ _VALID_NAMES_TEXT = ", ".join(repr(name) for name in POLICY_NAMES)
 def _check_policy_name(name, argument: str) -> None:
     if not isinstance(name, str):
         raise TypeError(
-            f"'{argument}' must be a policy name (a string) or a kmp.Policy, "
-            f"one of {_VALID_NAMES_TEXT}. Received: {argument}={name!r} "
-            f"of type {type(name).__name__}"
+            f"'{argument}' must be a policy name (a string), one of "
+            f"{_VALID_NAMES_TEXT}. Received: {argument}={name!r} of type "
+            f"{type(name).__name__}"
         )
     if name not in POLICY_NAMES:
         raise ValueError(
@@ -104,8 +106,15 @@ class Policy(keras.DTypePolicy):
 PolicyLike = Union[str, Policy, keras.DTypePolicy, None]
 
 
-def _to_policy(policy: PolicyLike, argument: str) -> Policy:
-    """Validates `policy` (a name, a kmp or Keras policy) into a `Policy`."""
+def _to_policy(
+    policy: PolicyLike, argument: str, default: Optional[str] = None
+) -> Policy:
+    """Validates `policy` (a name, a kmp or Keras policy) into a `Policy`.
+
+    None is allowed only where there is a `default` policy name for it.
+    """
+    if policy is None and default is not None:
+        return Policy(default)
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, keras.DTypePolicy):
@@ -122,8 +131,10 @@ def _to_policy(policy: PolicyLike, argument: str) -> Policy:
     if isinstance(policy, str):
         _check_policy_name(policy, argument)
         return Policy(policy)
+    allowed = "a policy name (a string), a kmp.Policy, a keras.DTypePolicy"
+    allowed += f" or None (for {default!r})" if default is not None else ""
     raise TypeError(
-        f"'{argument}' must be a policy name (a string), a kmp.Policy or None. "
+        f"'{argument}' must be {allowed}; the names are {_VALID_NAMES_TEXT}. "
         f"Received: {argument}={policy!r} of type {type(policy).__name__}"
     )
 
@@ -188,7 +199,8 @@ def set_global_policy(policy: PolicyLike) -> None:
     it will be slow there and what to use instead.
 
     Raises:
-        TypeError: `policy` is not a string, a `Policy` or `None`.
+        TypeError: `policy` is not a string, a `Policy`, a Keras
+            `DTypePolicy` or `None`.
         ValueError: `policy` names no floating policy.
 
     Example:
@@ -200,9 +212,7 @@ def set_global_policy(policy: PolicyLike) -> None:
     >>> global_policy().name
     'float32'
     """
-    policy = (
-        Policy("float32") if policy is None else _to_policy(policy, "policy")
-    )
+    policy = _to_policy(policy, "policy", default="float32")
     # Keras gets a plain DTypePolicy, so layers that merely follow the global
     # policy save to `.keras` files that load without kmp.
     _set_keras_policy(keras.DTypePolicy(policy.name))
@@ -236,8 +246,7 @@ def global_policy() -> Policy:
         ) from None
 
 
-@contextlib.contextmanager
-def policy_scope(policy: PolicyLike) -> Iterator[Policy]:
+def policy_scope(policy: PolicyLike) -> ContextManager[Policy]:
     """Sets the global policy inside a `with` block and restores it after.
 
     The previous policy comes back when the block exits, also when it raises.
@@ -250,7 +259,8 @@ def policy_scope(policy: PolicyLike) -> Iterator[Policy]:
         The `Policy` in force inside the block.
 
     Raises:
-        TypeError, ValueError: as `set_global_policy`, before anything changes.
+        TypeError, ValueError: as `set_global_policy`, when `policy_scope` is
+            called (before any `with`), and nothing changes.
 
     Example:
 
@@ -259,9 +269,11 @@ def policy_scope(policy: PolicyLike) -> Iterator[Policy]:
     >>> layer.dtype_policy.name, global_policy().name
     ('mixed_float16', 'float32')
     """
-    new_policy = (
-        Policy("float32") if policy is None else _to_policy(policy, "policy")
-    )
+    return _policy_scope(_to_policy(policy, "policy", default="float32"))
+
+
+@contextlib.contextmanager
+def _policy_scope(new_policy: Policy) -> Iterator[Policy]:
     global _process_policy
     previous = (
         _process_policy,

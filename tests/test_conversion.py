@@ -276,3 +276,45 @@ def test_non_model_is_refused():
 def test_bad_policy(policy, error, match):
     with pytest.raises(error, match=match):
         convert(_sequential(), policy)
+
+
+def test_none_policy_is_refused_without_claiming_none_is_allowed():
+    with pytest.raises(TypeError) as info:
+        convert(_sequential(), None)
+    assert "None" not in str(info.value).split("Received")[0]
+
+
+def test_unbuilt_model_is_refused():
+    unbuilt = keras.Sequential([keras.layers.Dense(3), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="is not built.*keras.Input"):
+        convert(unbuilt, "mixed_float16")
+
+
+class _WithoutConfig(keras.layers.Layer):
+    """A custom layer whose constructor takes an argument get_config omits."""
+
+    def __init__(self, units):
+        super().__init__()
+        self.units = units
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1], self.units))
+
+    def call(self, inputs):
+        return inputs @ self.w
+
+
+@pytest.mark.parametrize(
+    "make_layer",
+    [lambda: keras.layers.Lambda(lambda t: t * 2), lambda: _WithoutConfig(3)],
+    ids=["lambda", "custom_layer_without_config"],
+)
+def test_layer_that_cannot_be_rebuilt_gets_the_alternative(make_layer):
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(make_layer()(inputs)))
+    with pytest.raises(ValueError) as info:
+        convert(model, "mixed_float16")
+    message = str(info.value)
+    assert "rebuilds every layer from its config" in message
+    assert "kmp.policy_scope(policy)" in message
+    assert info.value.__cause__ is not None  # Keras's own error, chained.

@@ -143,6 +143,13 @@ def test_print_fn_receives_the_text_once():
     assert printed == [text]
 
 
+def test_print_fn_must_be_callable():
+    with pytest.raises(
+        TypeError, match="'print_fn' must be None or a function"
+    ):
+        summary(_mixed_model(), print_fn="print")
+
+
 def test_subclassed_and_unbuilt_models_are_refused():
     class Subclassed(keras.Model):
         def call(self, inputs):

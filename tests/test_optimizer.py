@@ -1581,6 +1581,12 @@ def test_model_compiled_with_adam_under_mixed_float16_loads_under_float32(
     ]
 
 
+@pytest.mark.parametrize("config", [{}, None, {"initial_scale": 8.0}])
+def test_from_config_needs_a_config_with_the_inner_optimizer(config):
+    with pytest.raises(ValueError, match="'config' must be a dict with"):
+        LossScaleOptimizer.from_config(config)
+
+
 # --- 9. End to end under mixed_float16 ----------------------------------------
 
 

@@ -156,6 +156,21 @@ def test_policy_rejects_non_string_name(name):
         kmp.Policy(name)
 
 
+@pytest.mark.parametrize(
+    "policy",
+    [kmp.Policy("float32"), keras.DTypePolicy("float32")],
+    ids=["kmp", "keras"],
+)
+def test_policy_of_a_policy_names_only_what_it_accepts(policy):
+    with pytest.raises(TypeError) as info:
+        kmp.Policy(policy)
+    message = str(info.value)
+    assert message.startswith(
+        "'name' must be a policy name (a string), one of 'float16'"
+    )
+    assert "kmp.Policy" not in message.split("Received")[0]
+
+
 def test_policy_rejects_none_name():
     with pytest.raises(TypeError, match="Received: name=None"):
         kmp.Policy(None)
@@ -438,6 +453,21 @@ def test_policy_scope_is_process_wide():
     with kmp.policy_scope("mixed_float16"):
         assert _run_in_thread(read_policy) == "mixed_float16"
     assert _run_in_thread(read_policy) == "float64"
+
+
+def test_set_global_policy_message_lists_every_accepted_kind():
+    with pytest.raises(TypeError) as info:
+        kmp.set_global_policy(16)
+    allowed = str(info.value).split("Received")[0]
+    for kind in ("a string", "kmp.Policy", "keras.DTypePolicy", "None"):
+        assert kind in allowed
+
+
+def test_policy_scope_checks_the_policy_when_called():
+    kmp.set_global_policy("mixed_bfloat16")
+    with pytest.raises(ValueError, match=VALID_NAMES_FRAGMENT):
+        kmp.policy_scope("bogus")  # No `with`: refused at the call.
+    assert kmp.global_policy().name == "mixed_bfloat16"
 
 
 @pytest.mark.parametrize("name", INVALID_NAMES)
