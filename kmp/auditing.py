@@ -24,6 +24,9 @@ of two that keeps the largest gradient 16 times below float16's maximum.
 
 import dataclasses
 import math
+import numbers
+import os
+import reprlib
 from typing import Callable
 from typing import Dict
 from typing import List
@@ -36,6 +39,7 @@ from kmp import loss_scale as _rule
 from kmp._backend import keras
 from kmp._backend import tf
 from kmp.conversion import LOW_PRECISION_DTYPES
+from kmp.conversion import _check_built
 from kmp.conversion import _check_graph_model
 from kmp.conversion import _is_floating
 from kmp.conversion import convert
@@ -181,11 +185,19 @@ class AuditReport:
         the shaded windows float16 and bfloat16 represent.
 
         Args:
-            path: Where to save the figure (`.png`, `.svg`, `.pdf`, ...).
+            path: Where to save the figure, a `str` or `os.PathLike` whose
+                extension names the format (`.png`, `.svg`, `.pdf`, ...).
 
         Raises:
+            TypeError: `path` is not a `str` or `os.PathLike`.
             ImportError: matplotlib is not installed.
         """
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(
+                "'path' must be a file path (a str or os.PathLike) such as "
+                f"'ranges.png'. Received: path={path!r} of type "
+                f"{type(path).__name__}"
+            )
         _plot(self, path)
 
 
@@ -327,6 +339,12 @@ def _graph(model):
     return model
 
 
+def _output_names(model) -> List[str]:
+    """The names of the layers giving the model's outputs, in order."""
+    outputs = keras.tree.flatten(_graph(model).outputs)
+    return [tensor._keras_history.operation.name for tensor in outputs]
+
+
 def _call_indices(model) -> Dict[int, int]:
     """Maps id(node) to the node's rank among its layer's calls in the model.
 
@@ -369,6 +387,7 @@ class _Probe:
         self.calls = _layer_calls(model, self._ranks)
         self.inputs = keras.tree.flatten(graph.inputs)
         self.outputs = keras.tree.flatten(graph.outputs)
+        self.output_names = _output_names(model)
         tensors = [*self.inputs, *self.outputs]
         self.call_slices = []
         for _, _, node in self.calls:
@@ -391,8 +410,9 @@ class _Probe:
         return keras.tree.flatten(self.model(x, training=False))
 
 
-def _resolve_loss(loss, model) -> Callable:
-    if loss is None:
+def _resolve_loss(loss, model, needed: bool) -> Optional[Callable]:
+    """The loss function: `loss`, else the compiled one; None if not needed."""
+    if loss is None and needed:
         loss = getattr(model, "loss", None) if model.compiled else None
         if loss is None:
             raise ValueError(
@@ -400,25 +420,157 @@ def _resolve_loss(loss, model) -> Callable:
                 "name such as 'mse' or a keras.losses.Loss), compile the "
                 "model with one, or pass y=None to audit activations only."
             )
-    if isinstance(loss, str):
-        return keras.losses.get(loss)
-    if callable(loss):
-        return loss
-    raise TypeError(
-        "'loss' must be a loss name (such as 'mse'), a keras.losses.Loss or "
-        "a callable(y_true, y_pred), one for every output. Received: "
-        f"loss={loss!r} of type {type(loss).__name__}"
+        if not (isinstance(loss, str) or callable(loss)):
+            raise ValueError(
+                f"Model {model.name!r} was compiled with one loss per output "
+                f"({loss!r}); audit() applies a single loss to every output. "
+                "Pass it explicitly, e.g. audit(model, x, y, loss='mse')."
+            )
+    if isinstance(loss, type):
+        raise TypeError(
+            "'loss' must be a loss instance, not a class: pass "
+            f"loss={loss.__name__}() (e.g. keras.losses.MeanSquaredError()). "
+            f"Received: loss={loss!r}"
+        )
+    if loss is not None and not (isinstance(loss, str) or callable(loss)):
+        raise TypeError(
+            "'loss' must be a loss name (such as 'mse'), a keras.losses.Loss "
+            "or a callable(y_true, y_pred), one for every output. Received: "
+            f"loss={loss!r} of type {type(loss).__name__}"
+        )
+    if not needed:
+        return None
+    return keras.losses.get(loss) if isinstance(loss, str) else loss
+
+
+def _loss_name(loss_fn) -> str:
+    return getattr(loss_fn, "name", None) or getattr(
+        loss_fn, "__name__", type(loss_fn).__name__
     )
 
 
-def _batches(x, y, batch_size, steps):
-    leaves = keras.tree.flatten(x)
+def _mean_loss(loss_fn, target, output, output_name: str):
+    """The mean of `loss_fn(target, output)`, as float32.
+
+    A target that does not fit the output (the loss fails on it) and a loss
+    that returns no numbers are reported as the user's `y` and `loss`.
+    """
+    name = _loss_name(loss_fn)
+    try:
+        value = loss_fn(target, output)
+    except (ValueError, tf.errors.InvalidArgumentError) as error:
+        raise ValueError(
+            f"'y' does not fit model output {output_name!r} under the loss "
+            f"{name!r}: target shape {tuple(target.shape)}, output shape "
+            f"{tuple(output.shape)}. The loss failed with: {error}"
+        ) from error
+    try:
+        dtype = tf.convert_to_tensor(value).dtype
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype is None or not (dtype.is_floating or dtype.is_integer):
+        returned = type(value).__name__ if dtype is None else dtype.name
+        raise TypeError(
+            f"'loss' must return numbers (the losses per sample). Received: "
+            f"the loss {name!r}, which returned {returned}"
+        )
+    return tf.reduce_mean(tf.cast(value, tf.float32))
+
+
+_ARRAY_TYPES = (np.ndarray, tf.Tensor, tf.Variable, keras.Variable)
+_SHORT = reprlib.Repr()
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = 3
+_SHORT.maxlevel = 2
+
+
+def _as_arrays(value, argument: str):
+    """`value` (x or y) with NumPy arrays for leaves, and its number of rows.
+
+    Allowed: an array (NumPy array or tensor), or a list, tuple or dict of
+    arrays, all with the same number of rows (samples).
+    """
+    allowed = (
+        f"'{argument}' must be an array (a NumPy array or tensor), or a list, "
+        "tuple or dict of arrays"
+    )
+    if isinstance(value, dict):
+        leaves = list(value.values())
+    elif isinstance(value, (list, tuple)):
+        leaves = list(value)
+    else:
+        leaves = [value]
+    for leaf in leaves:
+        if not isinstance(leaf, _ARRAY_TYPES):
+            hint = ""
+            if isinstance(value, (list, tuple)):
+                hint = f" For lists of numbers, pass np.asarray({argument})."
+            held = "" if leaf is value else f" holding a {type(leaf).__name__}"
+            raise TypeError(
+                f"{allowed}. Received: {argument}={_SHORT.repr(value)} of "
+                f"type {type(value).__name__}{held}.{hint}"
+            )
     if not leaves:
-        raise ValueError("'x' holds no arrays. Received: x={x!r}")
-    count = len(leaves[0])
-    if count == 0:
-        raise ValueError("'x' holds no samples (its first dimension is 0).")
-    for start in range(0, min(count, batch_size * steps), batch_size):
+        raise ValueError(
+            f"{allowed}; it holds none. Received: {argument}={value!r}"
+        )
+    arrays = [np.asarray(leaf) for leaf in leaves]
+    for array in arrays:
+        if array.dtype.kind in "OSU":
+            raise TypeError(
+                f"{allowed} of numbers. Received: {argument} holding an array "
+                f"of dtype {array.dtype}"
+            )
+        if array.ndim == 0:
+            raise ValueError(
+                f"{allowed}, with one row per sample. Received: {argument} "
+                f"holding a scalar (shape ())"
+            )
+    shapes = [array.shape for array in arrays]
+    if len({shape[0] for shape in shapes}) > 1:
+        raise ValueError(
+            f"Every array in '{argument}' must have the same number of rows "
+            f"(samples). Received: {argument} with shapes "
+            f"{', '.join(map(str, shapes))}"
+        )
+    if shapes[0][0] == 0:
+        raise ValueError(
+            f"'{argument}' holds no samples (its first dimension is 0). "
+            f"Received: {argument} with shape(s) {', '.join(map(str, shapes))}"
+        )
+    if isinstance(value, dict):
+        return dict(zip(value, arrays)), shapes[0][0]
+    if isinstance(value, (list, tuple)):
+        return arrays, shapes[0][0]
+    return arrays[0], shapes[0][0]
+
+
+def _targets(y, model, samples: int):
+    """`y` as a list of arrays in the order of the model's outputs."""
+    y, rows = _as_arrays(y, "y")
+    names = _output_names(model)
+    if isinstance(y, dict):
+        if set(y) != set(names):
+            raise ValueError(
+                "'y' as a dict must have one key per model output, named "
+                f"after it: {names}. Received: y with keys {list(y)}"
+            )
+        y = [y[name] for name in names]
+    targets = y if isinstance(y, list) else [y]
+    if len(targets) != len(names):
+        raise ValueError(
+            f"'y' must hold one target per model output: the model has "
+            f"{len(names)} output(s), y has {len(targets)}."
+        )
+    if rows != samples:
+        raise ValueError(
+            f"'y' must have one row per sample of 'x', {samples}. Received: "
+            f"y with {rows} rows"
+        )
+    return targets
+
+
+def _batches(x, y, samples, batch_size, steps):
+    for start in range(0, min(samples, batch_size * steps), batch_size):
         chunk = slice(start, start + batch_size)
         yield _take(x, chunk), None if y is None else _take(y, chunk)
 
@@ -427,12 +579,8 @@ def _take(structure, chunk: slice):
     return keras.tree.map_structure(lambda array: array[chunk], structure)
 
 
-def _as_arrays(structure):
-    return keras.tree.map_structure(np.asarray, structure)
-
-
-def _check_positive_int(value, argument):
-    if isinstance(value, bool) or not isinstance(value, int):
+def _check_positive_int(value, argument: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(
             f"'{argument}' must be a positive integer. Received: "
             f"{argument}={value!r} of type {type(value).__name__}"
@@ -442,6 +590,24 @@ def _check_positive_int(value, argument):
             f"'{argument}' must be a positive integer. Received: "
             f"{argument}={value!r}"
         )
+    return int(value)
+
+
+def _check_number(value, argument: str, allowed: str, in_range) -> float:
+    """`value` as a float, if it is a number and `in_range(value)`.
+
+    The range is checked before float(), which overflows on a huge int.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"'{argument}' must be {allowed}. Received: {argument}={value!r} "
+            f"of type {type(value).__name__}"
+        )
+    if not in_range(value):  # False for NaN too.
+        raise ValueError(
+            f"'{argument}' must be {allowed}. Received: {argument}={value!r}"
+        )
+    return float(value)
 
 
 def audit(
@@ -465,11 +631,13 @@ def audit(
 
     Args:
         model: A Sequential or Functional model.
-        x: Inputs: an array, or a list or dict of arrays for several inputs.
+        x: Inputs: an array (NumPy array or tensor), or a list, tuple or
+            dict of arrays for several inputs, all with one row per sample.
         y: Targets for the loss, or None to audit activations only (no
             gradients, no loss-scale suggestion).
         loss: A loss name, `keras.losses.Loss` or `fn(y_true, y_pred)`,
-            applied to every output; defaults to the compiled loss.
+            applied to every output; defaults to the compiled loss (when it
+            is a single one).
         policy: The policy to audit, such as `"mixed_float16"`. None audits
             the model as it is, which must then compute in float16 or
             bfloat16 somewhere.
@@ -486,10 +654,17 @@ def audit(
         An `AuditReport`.
 
     Raises:
-        TypeError: `model` is subclassed or not a model; `loss` is not a loss;
-            `batch_size` or `steps` is not an integer.
-        ValueError: no layer computes in low precision and `policy` is None;
-            no loss is known and `y` is given; a number is out of range.
+        TypeError: `model` is subclassed or not a model; `x` or `y` is not an
+            array or a list, tuple or dict of arrays of numbers; `loss` is
+            not a loss (a class instead of an instance, for one) or returns
+            no numbers; `batch_size` or `steps` is not an integer;
+            `loss_scale` or `max_relative_error` is not a number.
+        ValueError: `model` is not built; `x` or `y` is empty or its arrays
+            differ in rows; `y` differs from `x` in rows, does not hold one
+            target per output or does not fit an output under the loss; no
+            layer computes in low precision and `policy` is None; no loss is
+            known (or the compiled one is per output) and `y` is given; a
+            number is out of range.
 
     Example:
 
@@ -503,13 +678,35 @@ def audit(
     ['big']
     """
     _check_graph_model(model, "audit")
-    _check_positive_int(batch_size, "batch_size")
-    _check_positive_int(steps, "steps")
+    _check_built(model, "audit", "cannot see its layer calls yet")
+    if policy is not None:
+        policy = _to_policy(policy, "policy")
+    batch_size = _check_positive_int(batch_size, "batch_size")
+    steps = _check_positive_int(steps, "steps")
+    if loss_scale is not None:
+        loss_scale = _check_number(
+            loss_scale,
+            "loss_scale",
+            "a finite number >= 1 (and at most the largest float32, "
+            f"{_rule.MAX_SCALE:.4g})",
+            lambda value: _rule.MIN_SCALE <= value <= _rule.MAX_SCALE,
+        )
+    if max_relative_error is not None:
+        max_relative_error = _check_number(
+            max_relative_error,
+            "max_relative_error",
+            "a positive number or None",
+            lambda value: value > 0,
+        )
+    x, x_samples = _as_arrays(x, "x")
+    if y is not None:
+        y = _targets(y, model, x_samples)
+    loss_fn = _resolve_loss(loss, model, needed=y is not None)
     if policy is None:
         low_model = model
         policy_name = _policy_description(model)
     else:
-        low_model = convert(model, _to_policy(policy, "policy"))
+        low_model = convert(model, policy)
         policy_name = low_model.dtype_policy.name
     reference_model = convert(model, "float32")
     low_probe = _Probe(low_model)
@@ -531,34 +728,10 @@ def audit(
     uses_float16 = "float16" in dtypes
     if loss_scale is None:
         loss_scale = _rule.DEFAULT_INITIAL_SCALE if uses_float16 else 1.0
-    elif isinstance(loss_scale, bool) or not isinstance(
-        loss_scale, (int, float)
-    ):
-        raise TypeError(
-            "'loss_scale' must be a number >= 1. Received: "
-            f"loss_scale={loss_scale!r}"
-        )
-    elif not (math.isfinite(loss_scale) and loss_scale >= 1):
-        raise ValueError(
-            f"'loss_scale' must be a finite number >= 1. Received: "
-            f"loss_scale={loss_scale!r}"
-        )
-    if max_relative_error is not None and not (
-        isinstance(max_relative_error, (int, float))
-        and not isinstance(max_relative_error, bool)
-        and max_relative_error > 0
-    ):
-        raise ValueError(
-            "'max_relative_error' must be a positive number or None. "
-            f"Received: max_relative_error={max_relative_error!r}"
-        )
-    loss_fn = None if y is None else _resolve_loss(loss, model)
-    x = _as_arrays(x)
-    y = None if y is None else _as_arrays(y)
 
     stats = [_Stats() for _ in low_probe.calls]
     samples = 0
-    for x_batch, y_batch in _batches(x, y, batch_size, steps):
+    for x_batch, y_batch in _batches(x, y, x_samples, batch_size, steps):
         samples += len(keras.tree.flatten(x_batch)[0])
         _audit_batch(
             reference_probe,
@@ -625,16 +798,12 @@ def _audit_batch(reference, low, stats, dtypes, x, y, loss_fn, scale):
                 len(reference.inputs) : len(reference.inputs)
                 + len(reference.outputs)
             ]
-            targets = keras.tree.flatten(y)
-            if len(targets) != len(outputs):
-                raise ValueError(
-                    f"'y' must hold one target per model output: the model "
-                    f"has {len(outputs)} output(s), y has {len(targets)}."
-                )
             loss = tf.add_n(
                 [
-                    tf.reduce_mean(tf.cast(loss_fn(target, output), tf.float32))
-                    for target, output in zip(targets, outputs)
+                    _mean_loss(loss_fn, target, output, name)
+                    for target, output, name in zip(
+                        y, outputs, reference.output_names
+                    )
                 ]
             )
     low_values = low(x)

@@ -16,6 +16,9 @@ from kmp.optimizer import LossScaleOptimizer
 
 logger = logging.getLogger("kmp")
 
+# The largest `window`, in epochs: far beyond any run, and a valid deque size.
+_MAX_WINDOW = 2**31 - 1
+
 
 class LossScaleMonitor(keras.callbacks.Callback):
     """Logs the loss scale and skipped steps each epoch; warns on skipping.
@@ -44,12 +47,14 @@ class LossScaleMonitor(keras.callbacks.Callback):
         warn_skip_fraction: Warn when more than this fraction of the steps
             were skipped, a number in [0, 1].
         window: How many epochs the fraction is measured over, and the least
-            number of epochs between two warnings; a positive integer.
+            number of epochs between two warnings; a positive integer, at
+            most 2**31 - 1.
 
     Raises:
         TypeError: on a wrong argument type, or at the start of `fit` when the
             optimizer is not a `kmp.LossScaleOptimizer`.
-        ValueError: `warn_skip_fraction` is outside [0, 1] or `window` < 1.
+        ValueError: `warn_skip_fraction` is outside [0, 1] or `window` is
+            outside [1, 2**31 - 1].
 
     Example:
 
@@ -84,10 +89,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 "'window' must be a positive integer (epochs). Received: "
                 f"window={window!r} of type {type(window).__name__}"
             )
-        if window < 1:
+        if not 1 <= window <= _MAX_WINDOW:
             raise ValueError(
-                "'window' must be a positive integer (epochs). Received: "
-                f"window={window!r}"
+                "'window' must be a positive integer (epochs) at most "
+                f"{_MAX_WINDOW}. Received: window={window!r}"
             )
         self.warn_skip_fraction = float(warn_skip_fraction)
         self.window = int(window)

@@ -29,10 +29,18 @@ Example:
     model.fit(keras.ops.ones((16, 8)), keras.ops.zeros((16, 4)), verbose=0)
 """
 
+import math
+import numbers
+
+import numpy as np
+
 from kmp._backend import keras
 from kmp._backend import tf
+from kmp._checks import checked_gradients
+from kmp._checks import describe
 
 _FLOATING = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+_TENSOR_TYPES = (tf.Tensor, tf.Variable, keras.Variable)
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -41,7 +49,49 @@ class FusedAdam(keras.optimizers.Adam):
 
     Takes exactly `keras.optimizers.Adam`'s arguments; see the module
     docstring for when Keras's own update runs instead.
+
+    Unlike Adam, it checks its hyperparameters when it is made (a wrong type
+    is a TypeError, a wrong value a ValueError) and every gradient's shape
+    against its variable's in `apply` / `apply_gradients`, before anything
+    is built or updated. The learning rate may also be an int, a NumPy
+    number or a constant scalar tensor (its value is used).
     """
+
+    def __init__(
+        self,
+        learning_rate=0.001,
+        beta_1=0.9,
+        beta_2=0.999,
+        epsilon=1e-7,
+        amsgrad=False,
+        weight_decay=None,
+        **kwargs,
+    ):
+        super().__init__(
+            learning_rate=_checked_learning_rate(learning_rate),
+            beta_1=_checked_rate(beta_1, "beta_1"),
+            beta_2=_checked_rate(beta_2, "beta_2"),
+            epsilon=_checked_epsilon(epsilon),
+            amsgrad=_checked_bool(amsgrad, "amsgrad"),
+            weight_decay=_checked_weight_decay(weight_decay),
+            **kwargs,
+        )
+
+    def apply(self, grads, trainable_variables=None):
+        # Checked here, for all gradients at once: eagerly, update_step runs
+        # variable by variable, so a check there would leave the variables
+        # before the bad one updated. Static shapes and dtypes only.
+        grads = list(grads)
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+            variables = trainable_variables
+        elif self.built:
+            variables = self._trainable_variables
+        else:
+            variables = None  # Keras raises: it cannot build without them.
+        if grads and variables is not None:  # No gradients: Keras's no-op.
+            grads = checked_gradients(grads, variables)
+        return super().apply(grads, trainable_variables)
 
     def update_step(self, gradient, variable, learning_rate):
         # Keras's TensorFlow optimizer passes the tf.Variable behind a
@@ -54,8 +104,8 @@ class FusedAdam(keras.optimizers.Adam):
         m = _tf_variable(self._momentums[index])
         v = _tf_variable(self._velocities[index])
         step = tf.cast(self.iterations + 1, dtype)
-        beta_1 = tf.constant(self.beta_1, dtype)
-        beta_2 = tf.constant(self.beta_2, dtype)
+        beta_1 = _constant(self.beta_1, dtype)
+        beta_2 = _constant(self.beta_2, dtype)
         tf.raw_ops.ResourceApplyAdam(
             var=variable_tensor.handle,
             m=m.handle,
@@ -65,7 +115,7 @@ class FusedAdam(keras.optimizers.Adam):
             lr=tf.cast(learning_rate, dtype),
             beta1=beta_1,
             beta2=beta_2,
-            epsilon=tf.constant(self.epsilon, dtype),
+            epsilon=_constant(self.epsilon, dtype),
             grad=tf.cast(gradient, dtype),
         )
 
@@ -83,3 +133,151 @@ def _tf_variable(variable):
     if isinstance(variable, keras.Variable):
         return variable.value
     return variable
+
+
+def _constant(value, dtype):
+    # A Python number straight to `dtype` (through float32 it would be
+    # rounded twice, and a float64 variable would get a float32 beta); a
+    # tensor or variable hyperparameter (which Adam allows) by a cast.
+    if isinstance(value, _TENSOR_TYPES):
+        return tf.cast(value, dtype)
+    return tf.constant(value, dtype)
+
+
+# --- Checks -------------------------------------------------------------------
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _finite_float(value):
+    """`value` as a float, or None if it is not finite (or too large)."""
+    try:
+        value = float(value)
+    except OverflowError:  # An int beyond the float range.
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _checked_learning_rate(value):
+    if isinstance(value, keras.optimizers.schedules.LearningRateSchedule):
+        return value
+    allowed = (
+        "'learning_rate' must be a finite number >= 0, a constant scalar "
+        "floating tensor, a keras.optimizers.schedules.LearningRateSchedule "
+        "or a callable that takes no arguments and returns the learning rate"
+    )
+    if isinstance(value, _TENSOR_TYPES):
+        _check_scalar_floating(value, "learning_rate", allowed)
+        number = (
+            tf.get_static_value(value) if isinstance(value, tf.Tensor) else None
+        )
+        if number is None:
+            # Keras keeps its own learning-rate variable; a tensor of a
+            # graph has no value to give it, and a variable's later
+            # assignments would silently not reach the optimizer.
+            raise TypeError(
+                f"{allowed}; a variable or a tensor inside a tf.function is "
+                "not (pass its value, or assign optimizer.learning_rate "
+                f"later). Received: learning_rate={describe(value)}"
+            )
+    elif callable(value):
+        return value
+    elif _is_number(value):
+        number = value
+    else:
+        raise TypeError(f"{allowed}. Received: learning_rate={describe(value)}")
+    finite = _finite_float(number)
+    if finite is None or finite < 0:
+        raise ValueError(f"{allowed}. Received: learning_rate={repr(value)}")
+    return finite
+
+
+def _check_scalar_floating(value, argument: str, allowed: str) -> None:
+    if not tf.as_dtype(value.dtype).is_floating:
+        raise TypeError(f"{allowed}. Received: {argument}={describe(value)}")
+    if tf.TensorShape(value.shape).rank not in (0, None):
+        raise ValueError(f"{allowed}. Received: {argument}={describe(value)}")
+
+
+def _tensor_value(value):
+    """A tensor's or variable's current value as a float, if readable now."""
+    if isinstance(value, tf.Tensor):
+        return tf.get_static_value(value)
+    if tf.executing_eagerly():
+        return value.numpy()
+    return None
+
+
+def _checked_tensor_or_number(value, argument: str, allowed: str, low, high):
+    """`value` if it is a number (as a float) or scalar floating tensor in
+    [low, high) (high None: no bound); a tensor's value is checked only if
+    it can be read now."""
+    if isinstance(value, _TENSOR_TYPES):
+        _check_scalar_floating(value, argument, allowed)
+        number = _tensor_value(value)
+        if number is None:
+            return value  # Its value is not known until the update runs.
+    elif _is_number(value):
+        number = value
+    else:
+        extra = (
+            " (Keras 3's Adam update cannot use a callable)"
+            if callable(value)
+            else ""
+        )
+        raise TypeError(
+            f"{allowed}{extra}. Received: {argument}={describe(value)}"
+        )
+    finite = _finite_float(number)
+    if finite is None or finite < low or (high is not None and finite >= high):
+        if isinstance(value, _TENSOR_TYPES):
+            shown = f"{describe(value)} and value {float(number)!r}"
+        else:
+            shown = repr(value)
+        raise ValueError(f"{allowed}. Received: {argument}={shown}")
+    return value if isinstance(value, _TENSOR_TYPES) else finite
+
+
+def _checked_rate(value, argument: str):
+    return _checked_tensor_or_number(
+        value,
+        argument,
+        f"'{argument}' must be a number in [0, 1) or a scalar floating "
+        "tensor with a value in [0, 1)",
+        0.0,
+        1.0,
+    )
+
+
+def _checked_epsilon(value):
+    return _checked_tensor_or_number(
+        value,
+        "epsilon",
+        "'epsilon' must be a finite number >= 0 or a scalar floating tensor "
+        "with such a value",
+        0.0,
+        None,
+    )
+
+
+def _checked_bool(value, argument: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            f"'{argument}' must be True or False. Received: "
+            f"{argument}={describe(value)}"
+        )
+    return bool(value)
+
+
+def _checked_weight_decay(value):
+    if value is None:
+        return None
+    allowed = "'weight_decay' must be None or a finite number >= 0"
+    if not _is_number(value):
+        raise TypeError(f"{allowed}. Received: weight_decay={describe(value)}")
+    finite = _finite_float(value)
+    if finite is None or finite < 0:
+        raise ValueError(f"{allowed}. Received: weight_decay={repr(value)}")
+    return finite

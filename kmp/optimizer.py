@@ -46,6 +46,8 @@ from tensorflow.python.ops import control_flow_util_v2
 from kmp import loss_scale as _rule
 from kmp._backend import keras
 from kmp._backend import tf
+from kmp._checks import checked_gradients
+from kmp._checks import describe
 from kmp.fused import FusedAdam
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
@@ -209,24 +211,11 @@ def _check_skip_options(max_skips, on_persistent_skips, record_nonfinite):
         )
 
 
-def _describe(value) -> str:
-    """A short description of a user's value for an error message."""
-    if isinstance(value, (tf.Tensor, tf.Variable, keras.Variable)):
-        # A Keras variable's dtype is a string, a TensorFlow one's a DType.
-        dtype = tf.as_dtype(value.dtype).name
-        kind = "a tensor" if isinstance(value, tf.Tensor) else "a variable"
-        return f"{kind} of dtype {dtype} and shape {tuple(value.shape)}"
-    text = repr(value)
-    if len(text) > 200:
-        text = text[:197] + "..."
-    return f"{text} of type {type(value).__name__}"
-
-
 def _floating_tensor(value, argument: str) -> tf.Tensor:
     if isinstance(value, bool):
         raise TypeError(
             f"'{argument}' must be a floating tensor or number. Received: "
-            f"{argument}={_describe(value)}"
+            f"{argument}={describe(value)}"
         )
     try:
         tensor = tf.convert_to_tensor(value)
@@ -238,10 +227,10 @@ def _floating_tensor(value, argument: str) -> tf.Tensor:
             ) from None
         raise TypeError(
             f"'{argument}' must be a floating tensor or number. Received: "
-            f"{argument}={_describe(value)}"
+            f"{argument}={describe(value)}"
         ) from None
     if not tensor.dtype.is_floating:
-        received = _describe(value)
+        received = describe(value)
         if not isinstance(value, (tf.Tensor, tf.Variable, keras.Variable)):
             received += f" (dtype {tensor.dtype.name})"
         raise TypeError(
@@ -263,7 +252,7 @@ def _check_learning_rate(value) -> None:
         raise TypeError(
             "'learning_rate' must be a number, a scalar tensor or a "
             "keras.optimizers.schedules.LearningRateSchedule. Received: "
-            f"learning_rate={_describe(value)}"
+            f"learning_rate={describe(value)}"
         )
     if isinstance(value, numbers.Real):
         if not -_rule.MAX_SCALE <= value <= _rule.MAX_SCALE:  # NaN too.
@@ -274,59 +263,8 @@ def _check_learning_rate(value) -> None:
     elif not value.dtype.is_floating:
         raise TypeError(
             "'learning_rate' must be floating point. Received: "
-            f"learning_rate={_describe(value)}"
+            f"learning_rate={describe(value)}"
         )
-
-
-def _variable_name(variable) -> str:
-    return getattr(variable, "path", None) or variable.name
-
-
-def _checked_gradients(grads, variables) -> List:
-    """`grads` as tensors, after checking each against its variable.
-
-    A gradient may be None, a `tf.IndexedSlices` or anything convertible to
-    a floating tensor of its variable's shape; each variable must be a Keras
-    or TensorFlow variable. The error names the position and the variable.
-    """
-    checked = []
-    for index, (gradient, variable) in enumerate(zip(grads, variables)):
-        if not isinstance(variable, (keras.Variable, tf.Variable)):
-            raise TypeError(
-                "Every variable must be a Keras or TensorFlow variable, such "
-                "as those in model.trainable_variables. Received at position "
-                f"{index}: {_describe(variable)}"
-            )
-        if gradient is None:
-            checked.append(None)
-            continue
-        where = (
-            f"The gradient of {_variable_name(variable)!r} (position {index})"
-        )
-        if isinstance(gradient, tf.IndexedSlices):
-            values, shape = gradient.values, gradient.values.shape[1:]
-            expected = tf.TensorShape(variable.shape)[1:]
-        else:
-            try:
-                gradient = tf.convert_to_tensor(gradient)
-            except (TypeError, ValueError):
-                raise TypeError(
-                    f"{where} must be a floating tensor, a tf.IndexedSlices "
-                    f"or None. Received: {_describe(gradient)}"
-                ) from None
-            values, shape = gradient, gradient.shape
-            expected = tf.TensorShape(variable.shape)
-        if not values.dtype.is_floating:
-            raise TypeError(
-                f"{where} must be floating point. Received: {_describe(values)}"
-            )
-        if not shape.is_compatible_with(expected):
-            raise ValueError(
-                f"{where} must have the variable's shape {tuple(expected)}. "
-                f"Received: {_describe(values)}"
-            )
-        checked.append(gradient)
-    return checked
 
 
 def _scale_tensor(tensor: tf.Tensor, scale: tf.Tensor, divide: bool):
@@ -830,7 +768,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             raise TypeError(
                 "'grads' must be a list of gradients (tensors, IndexedSlices "
                 f"or None), such as tape.gradient(...)'s result. Received: "
-                f"grads={_describe(grads)}"
+                f"grads={describe(grads)}"
             )
         grads = list(grads)
         for index, gradient in enumerate(grads):
@@ -901,7 +839,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             raise TypeError(
                 "'grads_and_vars' must be (gradient, variable) pairs, such as "
                 "zip(grads, model.trainable_variables). Received: "
-                f"grads_and_vars={_describe(grads_and_vars)}"
+                f"grads_and_vars={describe(grads_and_vars)}"
             )
         pairs = list(grads_and_vars)
         for index, pair in enumerate(pairs):
@@ -909,7 +847,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                 raise TypeError(
                     "'grads_and_vars' must be (gradient, variable) pairs, "
                     "such as zip(grads, model.trainable_variables). Received "
-                    f"at position {index}: {_describe(pair)}"
+                    f"at position {index}: {describe(pair)}"
                 )
         self.apply([g for g, _ in pairs], [v for _, v in pairs])
         return self.iterations  # The inner optimizer's, as Keras's returns.
@@ -934,13 +872,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                 )
             trainable_variables = self._trainable_variables
         trainable_variables = list(trainable_variables)
-        if len(grads) != len(trainable_variables):
-            raise ValueError(
-                "There must be one gradient per variable. Received "
-                f"{len(grads)} gradients for {len(trainable_variables)} "
-                "variables."
-            )
-        grads = _checked_gradients(grads, trainable_variables)
+        grads = checked_gradients(grads, trainable_variables)
         if not grads:
             return
         if tf.distribute.has_strategy() and (
@@ -1183,7 +1115,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             raise ValueError(
                 "'config' must be a dict with at least the key "
                 "'inner_optimizer', as returned by get_config(). Received: "
-                f"config={_describe(config)}"
+                f"config={describe(config)}"
             )
         config = dict(config)
         inner = serialization_lib.deserialize_keras_object(

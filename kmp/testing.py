@@ -40,6 +40,12 @@ from kmp._backend import tf
 
 FAULT_KINDS = ("inf", "nan")
 
+# The largest finite float32: a larger factor cannot even be a float32.
+_FLOAT32_MAX = float(tf.float32.max)
+
+# Containers accepted for several step or gradient indices.
+_INDEX_CONTAINERS = (list, tuple, set, frozenset, range)
+
 Schedule = Dict[int, Tuple[str, Sequence[int]]]
 
 
@@ -61,6 +67,70 @@ def _check_index(value, argument: str, what: str = "step index") -> int:
     return int(value)
 
 
+def _check_indices(
+    values, expected: str, received: str, argument: str, what: str
+) -> Tuple[int, ...]:
+    """`values`, a non-empty list, tuple or set of indices, as a tuple.
+
+    `expected` says what is allowed and `received` shows `values` in the
+    errors; `argument` and `what` name each index, as for `_check_index`.
+    """
+    if not isinstance(values, _INDEX_CONTAINERS):
+        raise TypeError(
+            f"{expected}. Received: {received}, of type {type(values).__name__}"
+        )
+    if not values:
+        raise ValueError(f"{expected}. Received: {received}")
+    return tuple(_check_index(value, argument, what) for value in values)
+
+
+def _check_step(step) -> None:
+    """Checks that `step` is a non-negative int or an integer scalar tensor.
+
+    Only static properties (type, dtype, rank) are read, never a tensor's
+    value: inside `tf.function` this runs once, at trace time, adding no op.
+    """
+    if _is_int(step):
+        _check_index(step, "step")
+        return
+    if (
+        tf.is_tensor(step)
+        and tf.as_dtype(step.dtype).is_integer
+        and tf.TensorShape(step.shape).rank == 0
+    ):
+        return
+    raise TypeError(
+        "'step' must be an integer scalar: a Python or NumPy int, or an "
+        "integer tensor or variable of shape (). Received: "
+        f"step={step!r} of type {type(step).__name__}"
+    )
+
+
+def _check_gradients(gradients) -> List:
+    """`gradients` as a new list of tensors, `tf.IndexedSlices` or None."""
+    expected = (
+        "'gradients' must be a list or tuple of gradients (tensors, "
+        "tf.IndexedSlices or None), as tape.gradient returns; pass the "
+        "gradients alone, not (gradient, variable) pairs"
+    )
+    if not isinstance(gradients, (list, tuple)):
+        raise TypeError(
+            f"{expected}. Received: gradients={gradients!r} of type "
+            f"{type(gradients).__name__}"
+        )
+    for index, gradient in enumerate(gradients):
+        if not (
+            gradient is None
+            or isinstance(gradient, tf.IndexedSlices)
+            or tf.is_tensor(gradient)
+        ):
+            raise TypeError(
+                f"{expected}. Received: gradients[{index}]={gradient!r} of "
+                f"type {type(gradient).__name__}"
+            )
+    return list(gradients)
+
+
 def _check_replica(replica) -> Optional[int]:
     if replica is None:
         return None
@@ -77,6 +147,12 @@ def _replica_matches(replica: Optional[int]):
             "A fault limited to one replica must be injected in a replica "
             "context, inside strategy.run(...). Received: replica="
             f"{replica!r} in a cross-replica context."
+        )
+    if replica >= context.num_replicas_in_sync:
+        raise ValueError(
+            "'replica' must be a replica id below the number of replicas in "
+            f"sync, {context.num_replicas_in_sync} here, or None for every "
+            f"replica. Received: replica={replica!r}"
         )
     replica_id = tf.cast(context.replica_id_in_sync_group, tf.int64)
     return tf.equal(replica_id, replica)
@@ -106,13 +182,15 @@ class GradientFaults:
 
     Args:
         schedule: `{step: (kind, [gradient indices])}`, steps and indices
-            non-negative integers, `kind` one of `"inf"`, `"nan"`.
+            non-negative integers, `kind` one of `"inf"`, `"nan"`, the
+            indices a non-empty list, tuple or set.
         replica: Inject only on this replica; `None` (default) for all.
 
     Raises:
-        TypeError: `schedule` is not a dict, or a step, kind or index has the
-            wrong type.
-        ValueError: a step, kind or index has a wrong value.
+        TypeError: `schedule` is not a dict, or a step, kind, index list or
+            index has the wrong type.
+        ValueError: a step, kind or index has a wrong value, or an index list
+            is empty.
 
     Example:
 
@@ -146,17 +224,13 @@ class GradientFaults:
                     f"A fault kind must be one of {FAULT_KINDS}. Received: "
                     f"{kind!r} at step {step}"
                 )
-            if isinstance(indices, (str, bytes)) or not isinstance(
-                indices, Iterable
-            ):
-                raise TypeError(
-                    "The gradient indices of a fault must be a list of "
-                    f"integers, e.g. [0, 2]. Received: {indices!r} at step "
-                    f"{step}"
-                )
-            indices = tuple(
-                _check_index(index, "gradient index", "position in the list")
-                for index in indices
+            indices = _check_indices(
+                indices,
+                "The gradient indices of a fault must be a non-empty list, "
+                "tuple or set of integers, e.g. [0, 2]",
+                f"{indices!r} at step {step}",
+                "gradient index",
+                "position in the list",
             )
             checked[step] = (kind, indices)
         self._schedule = checked
@@ -172,23 +246,27 @@ class GradientFaults:
         """The only replica that injects, or None for every replica."""
         return self._replica
 
-    def __call__(self, gradients: Iterable, step) -> List:
+    def __call__(self, gradients: Sequence, step) -> List:
         """Returns the gradients, corrupted if `step` is a scheduled step.
 
         Args:
-            gradients: A list of gradients (tensors, `tf.IndexedSlices` or
-                `None`), as `tape.gradient` returns.
-            step: The current step index, a Python int or an integer tensor.
+            gradients: A list or tuple of gradients (tensors,
+                `tf.IndexedSlices` or `None`), as `tape.gradient` returns.
+            step: The current step index: a non-negative Python or NumPy
+                int, or an integer scalar tensor or variable.
 
         Returns:
             A new list of the same length; `None` entries stay `None`.
 
         Raises:
+            TypeError: `gradients` is not such a list, `step` is not an
+                integer scalar, or a scheduled gradient is not floating-point.
             ValueError: a scheduled index is out of range or points at a
                 `None` gradient; `replica` is set but this is a
-                cross-replica context.
+                cross-replica context, or there are not that many replicas.
         """
-        gradients = list(gradients)
+        gradients = _check_gradients(gradients)
+        _check_step(step)
         for step_index, (_, indices) in self._schedule.items():
             for index in indices:
                 if index >= len(gradients) or gradients[index] is None:
@@ -196,6 +274,14 @@ class GradientFaults:
                         f"The fault at step {step_index} targets gradient "
                         f"{index}, but there are {len(gradients)} gradients"
                         " and that one is missing or None."
+                    )
+                dtype = tf.as_dtype(gradients[index].dtype)
+                if not dtype.is_floating:
+                    raise TypeError(
+                        f"The fault at step {step_index} targets gradient "
+                        f"{index}, but only a floating-point gradient can "
+                        f"hold inf or NaN. Received: gradients[{index}] of "
+                        f"dtype {dtype.name}"
                     )
         if not self._schedule:
             return gradients
@@ -232,14 +318,17 @@ class OverflowAt(keras.layers.Layer):
     repeat the fault; calls with `training=False` pass through uncounted.
 
     Args:
-        steps: A step index or a list of them (non-negative integers).
-        factor: The multiplier, a finite number > 0; 2**17 by default.
+        steps: A step index or a non-empty list, tuple or set of them
+            (non-negative integers).
+        factor: The multiplier, a number > 0 and at most float32's largest
+            finite value (about 3.4e38); 2**17 by default.
         replica: Overflow only on this replica; `None` (default) for all.
         **kwargs: Passed to `keras.layers.Layer` (`name`, `dtype`, ...).
 
     Raises:
         TypeError: `steps`, `factor` or `replica` has the wrong type.
-        ValueError: a step is negative, or `factor` is not finite and > 0.
+        ValueError: a step is negative, `steps` is empty, or `factor` is
+            not in (0, float32 max].
 
     Example:
 
@@ -258,21 +347,24 @@ class OverflowAt(keras.layers.Layer):
     ):
         if _is_int(steps):
             steps = [steps]
-        elif isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
-            raise TypeError(
-                "'steps' must be a step index or a list of them. Received: "
-                f"steps={steps!r} of type {type(steps).__name__}"
-            )
-        steps = sorted({_check_index(step, "steps") for step in steps})
+        steps = _check_indices(
+            steps,
+            "'steps' must be a step index or a non-empty list, tuple or set "
+            "of them",
+            f"steps={steps!r}",
+            "steps",
+            "step index",
+        )
+        steps = sorted(set(steps))
         if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
             raise TypeError(
                 "'factor' must be a number. Received: "
                 f"factor={factor!r} of type {type(factor).__name__}"
             )
-        if not (math.isfinite(factor) and factor > 0):
+        if not 0 < factor <= _FLOAT32_MAX:
             raise ValueError(
-                "'factor' must be a finite number > 0. Received: "
-                f"factor={factor!r}"
+                "'factor' must be a finite number > 0 within float32's range"
+                f" (at most {_FLOAT32_MAX:g}). Received: factor={factor!r}"
             )
         super().__init__(**kwargs)
         self._steps = steps
@@ -299,7 +391,7 @@ class OverflowAt(keras.layers.Layer):
         return self._factor
 
     def call(self, inputs, training=None):
-        if not training or not self._steps:
+        if not training:
             return inputs
         calls = tf.convert_to_tensor(self.calls)
         now = tf.logical_and(

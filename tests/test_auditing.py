@@ -5,6 +5,7 @@ import math
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import kmp
 from kmp.auditing import AuditReport
@@ -272,6 +273,19 @@ def test_float32_model_without_policy_is_an_error():
         ({"loss_scale": 0.5}, ValueError, "'loss_scale' must be a finite"),
         ({"policy": "int8"}, ValueError, "must be one of"),
         ({"max_relative_error": 0}, ValueError, "'max_relative_error' must"),
+        (
+            {"max_relative_error": "0.1"},
+            TypeError,
+            "'max_relative_error' must be a positive number",
+        ),
+        ({"loss_scale": 1e300}, ValueError, "'loss_scale' must be a finite"),
+        ({"loss_scale": 2**2000}, ValueError, "'loss_scale' must be a finite"),
+        ({"loss_scale": "1024"}, TypeError, "'loss_scale' must be a finite"),
+        (
+            {"loss": keras.losses.MeanSquaredError},
+            TypeError,
+            r"'loss' must be a loss instance.*MeanSquaredError\(\)",
+        ),
     ],
     ids=[
         "batch_size",
@@ -280,6 +294,11 @@ def test_float32_model_without_policy_is_an_error():
         "loss_scale",
         "policy",
         "max_relative_error",
+        "max_relative_error_str",
+        "loss_scale_above_float32",
+        "loss_scale_huge_int",
+        "loss_scale_str",
+        "loss_class",
     ],
 )
 def test_bad_arguments(kwargs, error, match):
@@ -287,6 +306,146 @@ def test_bad_arguments(kwargs, error, match):
     kwargs = {"policy": "mixed_float16", **kwargs}
     with pytest.raises(error, match=match):
         audit(_overflow_model(), x, y, **kwargs)
+
+
+def _tiny():
+    return _model(_dense(3, "hidden"), _dense(2, "out"), inputs=4)
+
+
+def test_numpy_numbers_are_accepted():
+    x = np.ones((8, 4), "float32")
+    report = audit(
+        _tiny(),
+        x,
+        np.zeros((8, 2), "float32"),
+        loss="mse",
+        policy="mixed_float16",
+        batch_size=np.int64(4),
+        steps=np.int32(1),
+        loss_scale=np.float32(1024),
+        max_relative_error=np.float32(0.1),
+    )
+    assert report.samples == 4
+    assert report.loss_scale == 1024.0 and type(report.loss_scale) is float
+
+
+def test_unbuilt_model_is_refused():
+    model = keras.Sequential([keras.layers.Dense(3), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="is not built.*kmp.audit"):
+        audit(model, np.ones((8, 4)), policy="mixed_float16")
+
+
+_X = np.ones((8, 4), "float32")
+
+
+@pytest.mark.parametrize(
+    "x, error, match",
+    [
+        (None, TypeError, "'x' must be an array.*x=None"),
+        (np.float32(1), TypeError, "'x' must be an array.*float32"),
+        ("data.npz", TypeError, "'x' must be an array.*'data.npz'"),
+        (
+            tf.data.Dataset.from_tensor_slices(_X).batch(4),
+            TypeError,
+            "'x' must be an array.*Dataset",
+        ),
+        (_X.tolist(), TypeError, r"holding a list.*np\.asarray\(x\)"),
+        ([[1, 2], [1, 2, 3, 4]], TypeError, r"np\.asarray\(x\)"),
+        (np.full((8, 4), "a"), TypeError, "'x' must be .* of numbers"),
+        ([], ValueError, r"'x' must be an array.*Received: x=\[\]"),
+        (np.zeros((0, 4)), ValueError, "'x' holds no samples"),
+        (np.array(1.0), ValueError, "'x' .* one row per sample"),
+        (
+            [_X, np.ones((4, 4))],
+            ValueError,
+            r"Every array in 'x' must have the same number of rows.*\(4, 4\)",
+        ),
+    ],
+    ids=[
+        "none",
+        "scalar",
+        "string",
+        "dataset",
+        "list_of_lists",
+        "ragged",
+        "strings",
+        "empty",
+        "no_rows",
+        "zero_dim",
+        "rows_differ",
+    ],
+)
+def test_bad_x(x, error, match):
+    with pytest.raises(error, match=match):
+        audit(_tiny(), x, policy="mixed_float16")
+
+
+@pytest.mark.parametrize(
+    "y, error, match",
+    [
+        ("labels", TypeError, "'y' must be an array.*'labels'"),
+        (
+            np.ones((8, 5)),
+            ValueError,
+            r"'y' does not fit model output 'out' under the loss "
+            r"'mean_squared_error': target shape \(8, 5\), output shape "
+            r"\(8, 2\)",
+        ),
+        (np.ones((3, 2)), ValueError, "'y' must have one row per sample"),
+        ([np.ones((8, 2))] * 2, ValueError, "one target per model output"),
+        ({"hidden": np.ones((8, 2))}, ValueError, r"'y' as a dict.*\['out'\]"),
+    ],
+    ids=["string", "wrong_width", "fewer_rows", "too_many", "wrong_key"],
+)
+def test_bad_y(y, error, match):
+    with pytest.raises(error, match=match):
+        audit(_tiny(), _X, y, loss="mse", policy="mixed_float16")
+
+
+def test_y_as_dict_and_sparse_labels():
+    report = audit(
+        _tiny(), _X, {"out": np.zeros((8, 2))}, "mse", "mixed_float16"
+    )
+    assert report.layers[0].gradient_max_abs is not None
+    for labels in (np.zeros(8, int), np.zeros((8, 1), int)):
+        report = audit(
+            _tiny(),
+            _X,
+            labels,
+            loss="sparse_categorical_crossentropy",
+            policy="mixed_float16",
+        )
+        assert report.layers[0].gradient_max_abs is not None
+
+
+def test_loss_returning_no_numbers_is_a_type_error():
+    with pytest.raises(TypeError, match="'loss' must return numbers.*string"):
+        audit(
+            _tiny(),
+            _X,
+            np.ones((8, 2)),
+            loss=lambda y_true, y_pred: "x",
+            policy="mixed_float16",
+        )
+
+
+@pytest.mark.parametrize(
+    "compiled_loss", [["mse"], {"out": "mse"}], ids=["list", "dict"]
+)
+def test_compiled_loss_per_output_asks_for_loss(compiled_loss):
+    model = _tiny()
+    model.compile(loss=compiled_loss)
+    with pytest.raises(ValueError, match="one loss per output.*loss='mse'"):
+        audit(model, _X, np.ones((8, 2)), policy="mixed_float16")
+    report = audit(model, _X, np.ones((8, 2)), "mse", "mixed_float16")
+    assert report.layers[0].gradient_max_abs is not None
+
+
+@pytest.mark.parametrize("path", [None, 123], ids=["none", "int"])
+def test_plot_needs_a_path(path):
+    report = audit(_tiny(), _X, policy="mixed_float16")
+    with pytest.raises(TypeError, match="'path' must be a file path"):
+        report.plot(path)
 
 
 def test_subclassed_model_is_refused():

@@ -151,9 +151,28 @@ def test_optimizer_without_loss_scaling_is_an_error():
         ({"warn_skip_fraction": "0.1"}, TypeError, "must be a number"),
         ({"window": 0}, ValueError, "'window' must be a positive integer"),
         ({"window": 1.0}, TypeError, "'window' must be a positive integer"),
+        ({"window": 10**30}, ValueError, "at most 2147483647.*window=10{30}"),
+        (
+            {"window": 2**31},
+            ValueError,
+            "at most 2147483647.*window=2147483648",
+        ),
     ],
-    ids=["fraction_range", "fraction_type", "window_range", "window_type"],
+    ids=[
+        "fraction_range",
+        "fraction_type",
+        "window_range",
+        "window_type",
+        "window_huge",
+        "window_above_max",
+    ],
 )
 def test_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         LossScaleMonitor(**kwargs)
+
+
+def test_largest_window_fits():
+    monitor = LossScaleMonitor(window=2**31 - 1)
+    history = _fit(_model(), _data(), 1, [monitor])
+    assert history.history["skipped_steps"] == [0]

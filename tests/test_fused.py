@@ -233,3 +233,216 @@ def test_adam_checkpoint_restores_into_fused_adam(tmp_path):
     tf.train.Checkpoint(optimizer=fused).restore(prefix).assert_consumed()
     for got, want in zip(fused.variables, adam.variables):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+# --- Bad input is refused before anything changes -----------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, fragment",
+    [
+        ({"learning_rate": "fast"}, TypeError, "learning_rate='fast'"),
+        ({"learning_rate": None}, TypeError, "learning_rate=None"),
+        ({"learning_rate": True}, TypeError, "learning_rate=True"),
+        ({"learning_rate": tf.Variable(0.1)}, TypeError, "a variable"),
+        ({"learning_rate": tf.constant(1)}, TypeError, "dtype int32"),
+        ({"learning_rate": tf.constant([0.1])}, ValueError, "shape (1,)"),
+        ({"learning_rate": -1.0}, ValueError, "learning_rate=-1.0"),
+        ({"learning_rate": float("nan")}, ValueError, "learning_rate=nan"),
+        ({"learning_rate": float("inf")}, ValueError, "learning_rate=inf"),
+        ({"learning_rate": 10**400}, ValueError, "finite number >= 0"),
+        ({"beta_1": 1.5}, ValueError, "'beta_1' must be a number in [0, 1)"),
+        ({"beta_1": 1.0}, ValueError, "Received: beta_1=1.0"),
+        ({"beta_1": "0.9"}, TypeError, "beta_1='0.9'"),
+        ({"beta_1": True}, TypeError, "beta_1=True"),
+        ({"beta_1": lambda: 0.9}, TypeError, "cannot use a callable"),
+        ({"beta_1": tf.constant(1.5)}, ValueError, "value 1.5"),
+        ({"beta_1": tf.constant(1)}, TypeError, "dtype int32"),
+        ({"beta_2": -0.1}, ValueError, "'beta_2' must be a number in [0, 1)"),
+        ({"beta_2": float("nan")}, ValueError, "beta_2=nan"),
+        ({"beta_2": keras.Variable(2.0)}, ValueError, "value 2.0"),
+        ({"epsilon": -1e-7}, ValueError, "'epsilon' must be a finite number"),
+        ({"epsilon": float("inf")}, ValueError, "epsilon=inf"),
+        ({"epsilon": None}, TypeError, "epsilon=None"),
+        ({"amsgrad": "yes"}, TypeError, "'amsgrad' must be True or False"),
+        ({"amsgrad": 1}, TypeError, "amsgrad=1"),
+        ({"weight_decay": "x"}, TypeError, "weight_decay='x'"),
+        ({"weight_decay": -0.1}, ValueError, "weight_decay=-0.1"),
+        ({"weight_decay": float("nan")}, ValueError, "weight_decay=nan"),
+        ({"weight_decay": False}, TypeError, "weight_decay=False"),
+    ],
+)
+def test_bad_hyperparameters_are_refused(kwargs, error, fragment):
+    with pytest.raises(error) as info:
+        kmp.FusedAdam(**kwargs)
+    assert fragment in str(info.value)
+    (name,) = kwargs
+    assert f"'{name}'" in str(info.value)
+
+
+def test_bad_hyperparameters_in_a_config_are_refused():
+    config = kmp.FusedAdam(0.01).get_config()
+    with pytest.raises(ValueError, match=r"beta_1=1\.5"):
+        kmp.FusedAdam.from_config({**config, "beta_1": 1.5})
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"learning_rate": np.float32(0.01)},
+        {"learning_rate": np.float64(0.01)},
+        {"learning_rate": 1},
+        {"learning_rate": tf.constant(0.01)},
+        {"beta_1": np.float32(0.8), "beta_2": np.float64(0.99)},
+        {"beta_1": 0, "epsilon": 0},
+        {"epsilon": np.float32(1e-6), "weight_decay": np.int64(0)},
+        {"amsgrad": np.bool_(True)},
+        {"weight_decay": np.float32(0.01)},
+    ],
+)
+def test_numbers_of_any_real_type_are_accepted(kwargs):
+    optimizer = kmp.FusedAdam(**kwargs)
+    config = optimizer.get_config()
+    for name, value in kwargs.items():
+        assert config[name] == pytest.approx(float(value), rel=1e-6)
+        assert type(config[name]) is (bool if name == "amsgrad" else float)
+    # What it was given is what it runs with: the same as Keras's Adam given
+    # the Python floats.
+    plain = keras.optimizers.Adam(
+        **kmp.FusedAdam.from_config(config).get_config()
+    )
+    fused = _train(kmp.FusedAdam.from_config(config), "eager")
+    adam = _train(plain, "eager")
+    for got, want in zip(fused["variables"], adam["variables"]):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float64"])
+@pytest.mark.parametrize("make", [tf.constant, keras.Variable])
+def test_tensor_betas_and_epsilon_are_used_as_adam_uses_them(make, dtype):
+    def optimizer(cls):
+        return cls(
+            0.01, beta_1=make(0.8), beta_2=make(0.99), epsilon=make(1e-3)
+        )
+
+    fused = _train(optimizer(kmp.FusedAdam), "tf_function", dtype)
+    plain = _train(optimizer(keras.optimizers.Adam), "tf_function", dtype)
+    assert "ResourceApplyAdam" in fused["graph_ops"]
+    tolerance = {"float16": 5e-3, "float64": 1e-5}[dtype]
+    for got, want in zip(fused["variables"], plain["variables"]):
+        np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
+
+
+def _state(optimizer, variables):
+    return [v.numpy().copy() for v in variables] + (
+        [v.numpy().copy() for v in optimizer.variables]
+        if optimizer.built
+        else []
+    )
+
+
+@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+@pytest.mark.parametrize("built", [False, True])
+@pytest.mark.parametrize(
+    "bad, received",
+    [
+        (lambda: tf.ones((3, 3)), "a tensor of dtype float32 and shape (3, 3)"),
+        # Keras's Adam would broadcast this one over the variable.
+        (lambda: tf.ones((2, 1)), "and shape (2, 1)"),
+        (
+            lambda: np.ones((2, 2, 1), "float32"),
+            "and shape (2, 2, 1)",
+        ),
+        (
+            lambda: tf.IndexedSlices(
+                tf.ones((1, 3)), tf.constant([0]), tf.constant([2, 3])
+            ),
+            "values of shape (1, 3)",
+        ),
+    ],
+)
+def test_gradient_of_the_wrong_shape_is_refused_before_any_update(
+    mode, built, bad, received
+):
+    # The bad gradient comes second: eagerly, Keras updates variable by
+    # variable, so the first must not have been updated either.
+    first = keras.Variable(np.ones((3,), "float32"), name="first")
+    second = keras.Variable(np.ones((2, 2), "float32"), name="second")
+    variables = [first, second]
+    optimizer = kmp.FusedAdam(0.1)
+    if built:
+        optimizer.apply_gradients(zip([tf.ones(3), tf.ones((2, 2))], variables))
+    before = _state(optimizer, variables)
+    iterations = int(optimizer.iterations)
+
+    def step():
+        optimizer.apply([tf.ones(3), bad()], variables)
+
+    if mode == "tf_function":
+        step = tf.function(step)
+    with pytest.raises(ValueError) as info:
+        step()
+    message = str(info.value)
+    assert f"'{second.path}' (position 1)" in message
+    assert "its variable's shape (2, 2)" in message
+    assert received in message
+    assert optimizer.built == built
+    assert int(optimizer.iterations) == iterations
+    for got, want in zip(_state(optimizer, variables), before):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_gradients_without_variables_are_checked_against_the_built_ones():
+    variable = keras.Variable(np.ones((2, 2), "float32"), name="w")
+    optimizer = kmp.FusedAdam(0.1)
+    optimizer.build([variable])
+    with pytest.raises(
+        ValueError,
+        match=r"'w' \(position 0\) must have its variable's shape \(2, 2\)",
+    ):
+        optimizer.apply([tf.ones((2, 1))])
+    assert int(optimizer.iterations) == 0
+    np.testing.assert_array_equal(variable.numpy(), np.ones((2, 2)))
+
+
+def test_as_many_gradients_as_variables_are_required():
+    variables = [keras.Variable(np.ones(2, "float32")) for _ in range(2)]
+    optimizer = kmp.FusedAdam(0.1)
+    with pytest.raises(ValueError, match="2 gradients for 1 variables"):
+        optimizer.apply([tf.ones(2), tf.ones(2)], variables[:1])
+    with pytest.raises(ValueError, match="1 gradients for 2 variables"):
+        optimizer.apply([tf.ones(2)], variables)
+    assert not optimizer.built
+
+
+@pytest.mark.filterwarnings("ignore:Gradients do not exist")
+def test_gradients_of_compatible_shapes_are_applied():
+    # Unknown dimensions in a tf.function, None gradients and sparse rows
+    # pass the check.
+    dense = keras.Variable(np.ones((4, 2), "float32"))
+    table = keras.Variable(np.ones((5, 3), "float32"))
+    unused = keras.Variable(np.ones(2, "float32"))
+    optimizer = kmp.FusedAdam(0.1)
+    optimizer.build([dense, table, unused])
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 2])])
+    def step(gradient):
+        rows = tf.IndexedSlices(
+            tf.ones((2, 3)), tf.constant([0, 3]), tf.constant([5, 3])
+        )
+        optimizer.apply([gradient, rows, None], [dense, table, unused])
+
+    step(tf.ones((4, 2)))
+    assert int(optimizer.iterations) == 1
+    assert not np.allclose(dense.numpy(), 1.0)
+    assert not np.allclose(table.numpy()[[0, 3]], 1.0)
+    np.testing.assert_array_equal(table.numpy()[[1, 2, 4]], 1.0)
+
+
+def test_integer_gradient_is_refused_before_any_update():
+    variable = keras.Variable(np.ones((2,), "float32"), name="w")
+    optimizer = kmp.FusedAdam(0.1)
+    with pytest.raises(TypeError, match=r"'w' \(position 0\) must be floating"):
+        optimizer.apply([tf.ones((2,), "int32")], [variable])
+    assert not optimizer.built
+    np.testing.assert_array_equal(variable.numpy(), np.ones(2))

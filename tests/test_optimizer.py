@@ -796,7 +796,7 @@ def _bad_apply_calls():
             "wrong_shape",
             lambda o, k, b: o.apply_gradients([(ones((2, 4)), k)]),
             ValueError,
-            r"'.*kernel' \(position 0\) must have the variable's shape "
+            r"'.*kernel' \(position 0\) must have its variable's shape "
             r"\(4, 2\).*shape \(2, 4\)",
         ),
         (
@@ -805,7 +805,8 @@ def _bad_apply_calls():
                 [(tf.IndexedSlices(ones((1, 3)), tf.constant([0])), k)]
             ),
             ValueError,
-            r"must have the variable's shape \(2,\)",
+            r"must have its variable's shape \(4, 2\)"
+            r".*values of shape \(1, 3\)",
         ),
         (
             "string_variable",

@@ -92,6 +92,8 @@ def test_gradient_faults_for_one_replica_need_a_replica_context(
         ({1: ("nan", 0)}, None, TypeError, "Received: 0 at step 1"),
         ({1: ("nan", "0")}, None, TypeError, "Received: '0' at step 1"),
         ({1: ("nan", [0.5])}, None, TypeError, "gradient index=0.5"),
+        ({1: ("inf", [])}, None, ValueError, "non-empty.*\\[\\] at step 1"),
+        ({1: ("inf", {0: 1})}, None, TypeError, "\\{0: 1\\} at step 1"),
         ({}, -1, ValueError, "replica=-1"),
         ({}, "1", TypeError, "replica='1'"),
     ],
@@ -105,6 +107,8 @@ def test_gradient_faults_for_one_replica_need_a_replica_context(
         "int_indices",
         "str_indices",
         "float_index",
+        "empty_indices",
+        "dict_indices",
         "negative_replica",
         "str_replica",
     ],
@@ -112,6 +116,123 @@ def test_gradient_faults_for_one_replica_need_a_replica_context(
 def test_gradient_faults_validate_arguments(schedule, replica, error, match):
     with pytest.raises(error, match=match):
         GradientFaults(schedule, replica=replica)
+
+
+def test_gradient_faults_take_indices_as_list_tuple_or_set():
+    faults = GradientFaults({1: ("inf", (0, 2)), 2: ("nan", {1})})
+    assert faults.schedule == {1: ("inf", (0, 2)), 2: ("nan", (1,))}
+
+
+@pytest.mark.parametrize(
+    "step, error, match",
+    [
+        ("1", TypeError, "'step' must be an integer scalar.*step='1'"),
+        (None, TypeError, "step=None"),
+        (True, TypeError, "step=True"),
+        (1.5, TypeError, "step=1.5"),
+        (tf.constant(1.7), TypeError, "step=<tf.Tensor.*float32"),
+        ([1], TypeError, "step=\\[1\\]"),
+        (tf.constant([0, 1]), TypeError, "step=<tf.Tensor.*shape=\\(2,\\)"),
+        (-1, ValueError, "step=-1"),
+    ],
+    ids=[
+        "str",
+        "none",
+        "bool",
+        "float",
+        "float_tensor",
+        "list",
+        "vector_tensor",
+        "negative",
+    ],
+)
+def test_gradient_faults_validate_the_step(step, error, match):
+    faults = GradientFaults({1: ("inf", [0])})
+    with pytest.raises(error, match=match):
+        faults([tf.constant([1.0, 2.0])], step)
+    # Checked even when nothing is scheduled.
+    with pytest.raises(error, match=match):
+        GradientFaults({})([tf.constant([1.0, 2.0])], step)
+
+
+@pytest.mark.parametrize(
+    "make_step",
+    [
+        lambda: np.int64(1),
+        lambda: tf.constant(1, tf.int32),
+        lambda: tf.Variable(1, dtype=tf.int64),
+        lambda: keras.Variable(1, dtype="int64"),
+    ],
+    ids=["numpy_int", "int32_tensor", "tf_variable", "keras_variable"],
+)
+def test_gradient_faults_accept_integer_scalar_steps(make_step):
+    faults = GradientFaults({1: ("inf", [0])})
+    result = faults([tf.constant([1.0, 2.0])], make_step())
+    assert np.array(result[0]).tolist() == [np.inf, 2.0]
+
+
+def test_gradient_faults_check_a_symbolic_step_once_at_trace_time():
+    faults = GradientFaults({1: ("inf", [0])})
+    run = tf.function(lambda step: faults([tf.constant([1.0])], step)[0])
+    assert np.array(run(tf.constant(0))).tolist() == [1.0]
+    assert np.array(run(tf.constant(1))).tolist() == [np.inf]
+    assert run.experimental_get_tracing_count() == 1
+    vector = tf.function(
+        lambda step: faults([tf.constant([1.0])], step)[0],
+        input_signature=[tf.TensorSpec([None], tf.int64)],
+    )
+    with pytest.raises(TypeError, match="'step' must be an integer scalar"):
+        vector.get_concrete_function()
+
+
+@pytest.mark.parametrize(
+    "gradients, match",
+    [
+        (tf.ones(2), "'gradients' must be a list or tuple.*gradients=<tf"),
+        (None, "'gradients' must be a list or tuple.*gradients=None"),
+        (
+            [(tf.ones(2), tf.ones(2))],
+            "not \\(gradient, variable\\) pairs.*gradients\\[0\\]=\\(",
+        ),
+        ([tf.ones(2), "g"], "gradients\\[1\\]='g' of type str"),
+        (
+            [tf.ones(2, tf.int32)],
+            "targets gradient 0, but only a floating-point.*"
+            "gradients\\[0\\] of dtype int32",
+        ),
+    ],
+    ids=["tensor", "none", "pairs", "str_entry", "int_gradient"],
+)
+def test_gradient_faults_validate_the_gradients(gradients, match):
+    with pytest.raises(TypeError, match=match):
+        GradientFaults({1: ("inf", [0])})(gradients, 1)
+
+
+def test_gradient_faults_pass_unscheduled_integer_gradients_through():
+    faults = GradientFaults({1: ("inf", [0])})
+    result = faults((tf.constant([1.0]), tf.constant([2], tf.int32)), 1)
+    assert np.array(result[0]).tolist() == [np.inf]
+    assert np.array(result[1]).tolist() == [2]
+
+
+def test_gradient_faults_reject_a_replica_beyond_the_replicas(two_replicas):
+    gradients = [tf.constant([1.0])]
+    faults = GradientFaults({0: ("inf", [0])}, replica=1)
+    with pytest.raises(ValueError, match="in sync, 1 here.*replica=1"):
+        faults(gradients, 0)
+    one_device = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with pytest.raises(ValueError, match="in sync, 1 here.*replica=1"):
+        one_device.run(lambda: faults(gradients, 0))
+    faults = GradientFaults({0: ("inf", [0])}, replica=2)
+    run = tf.function(lambda: two_replicas.run(lambda: faults(gradients, 0)))
+    with pytest.raises(ValueError, match="in sync, 2 here.*replica=2"):
+        run()
+
+
+def test_overflow_at_rejects_a_replica_beyond_the_replicas():
+    layer = OverflowAt(steps=[0], replica=1)
+    with pytest.raises(ValueError, match="in sync, 1 here.*replica=1"):
+        layer(tf.constant([1.0]), training=True)
 
 
 def test_gradient_faults_reject_an_index_without_a_gradient():
@@ -170,21 +291,42 @@ def test_overflow_at_under_mixed_float16_in_a_model_round_trips(tmp_path):
         ({"steps": "1"}, TypeError, "steps='1'"),
         ({"steps": [1, -2]}, ValueError, "steps=-2"),
         ({"steps": 1.5}, TypeError, "steps=1.5"),
+        ({"steps": []}, ValueError, "non-empty.*steps=\\[\\]"),
+        ({"steps": {1: 2}}, TypeError, "steps=\\{1: 2\\}, of type dict"),
         ({"steps": 1, "factor": "big"}, TypeError, "factor='big'"),
         ({"steps": 1, "factor": float("inf")}, ValueError, "factor=inf"),
         ({"steps": 1, "factor": 0}, ValueError, "factor=0"),
+        ({"steps": 1, "factor": 1e40}, ValueError, "float32.*factor=1e\\+40"),
+        ({"steps": 1, "factor": float("nan")}, ValueError, "factor=nan"),
         ({"steps": 1, "replica": 1.0}, TypeError, "replica=1.0"),
     ],
     ids=[
         "str_steps",
         "negative_step",
         "float_steps",
+        "empty_steps",
+        "dict_steps",
         "str_factor",
         "inf_factor",
         "zero_factor",
+        "beyond_float32_factor",
+        "nan_factor",
         "float_replica",
     ],
 )
 def test_overflow_at_validates_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         OverflowAt(**kwargs)
+
+
+def test_overflow_at_takes_steps_as_int_list_tuple_or_set():
+    assert OverflowAt(steps=np.int64(2)).steps == [2]
+    assert OverflowAt(steps=(3, 1, 3)).steps == [1, 3]
+    assert OverflowAt(steps={4}).steps == [4]
+
+
+def test_overflow_at_accepts_the_largest_float32_factor():
+    largest = float(np.finfo(np.float32).max)
+    layer = OverflowAt(steps=[0], factor=largest, dtype="float32")
+    output = np.array(layer(tf.constant([1.0]), training=True))
+    assert output.tolist() == [np.float32(largest)]
