@@ -319,14 +319,15 @@ kmp.set_global_policy(None)
 #
 # * CPUs with AVX-512 FP16 (Intel Sapphire Rapids and later) compute float16
 #   natively too, but TensorFlow's fused float16 MatMul + BiasAdd kernel (the
-#   "remapping" graph optimisation) is about 1000 times slower on CPUs than
+#   "remapping" graph optimisation) is over 1000 times slower on CPUs than
 #   the plain ops. Turn it off when you train in float16 on a CPU:
 #   `tf.config.optimizer.set_experimental_options({"remapping": False})`.
 #
 # On this project's development CPU, which has AVX-512 BF16 and FP16,
-# "mixed_bfloat16" trains about 1.5 to 2.4 times faster than float32
-# depending on the model; "mixed_float16" is about as fast as bfloat16 with
-# that fusion off, and dozens of times slower than float32 with it on. Measure
+# "mixed_bfloat16" trains about 1.3 to 4 times faster than float32
+# depending on the model (README, Performance); "mixed_float16" is about as
+# fast as bfloat16 with that fusion off, and hundreds to thousands of times
+# slower than float32 with it on. Measure
 # your own model and machine with `kmp bench`. What this machine offers:
 
 gpus = tf.config.list_physical_devices("GPU")
@@ -356,7 +357,7 @@ print("CPU has AMX BF16:", "amx_bf16" in cpu_flags)
 #   weights inside the loop over time steps, so under a mixed policy they
 #   would cast them again at every step. Importing kmp makes them cast once
 #   per call (`kmp.recurrent`; same outputs and gradients, bit for bit). The
-#   benchmark LSTM trains 1.2-1.3x faster in bfloat16 than in float32 with it,
+#   benchmark LSTM trains 1.2-1.34x faster in bfloat16 than in float32 with it,
 #   about as fast as in float32 without it.
 # * Global average pooling: Keras 3 averages a bfloat16 tensor by first
 #   copying it to float32. With kmp imported the mean is taken in bfloat16

@@ -1,7 +1,8 @@
 """`kmp doctor`: what this machine offers for mixed precision, and the policy.
 
 It reports the TensorFlow and Keras versions, the GPUs with their compute
-capability, the TPUs, and the CPU's bfloat16 instructions, then recommends:
+capability, the TPUs, and the CPU's bfloat16 and float16 instructions,
+then recommends:
 
 1. a TPU: `"mixed_bfloat16"` (TPUs compute in bfloat16 natively);
 2. a GPU of compute capability 7.0 or higher: `"mixed_float16"` (Tensor
@@ -350,7 +351,8 @@ def add_parser(subparsers) -> None:
         help="report the hardware and recommend a policy",
         description=(
             "Report TensorFlow and Keras versions, GPUs and their compute "
-            "capability, TPUs and the CPU's bfloat16 instructions, and "
+            "capability, TPUs and the CPU's bfloat16 and float16 "
+            "instructions, and "
             "recommend a dtype policy for this machine."
         ),
     )

@@ -6,7 +6,7 @@ mean could overflow. Under `mixed_bfloat16` that float32 copy, and the float32
 gradient of the same size in the backward pass, are the largest tensors of
 layers such as `GlobalAveragePooling2D`: on the benchmark CNN they are why
 bfloat16 training needed 0.63x of float32's memory, where Keras 2 needed
-0.52x (`python benchmarks/memory_breakdown.py --models cnn`).
+0.52-0.56x (`python benchmarks/memory_breakdown.py --models cnn`).
 
 bfloat16 has float32's range, so it cannot overflow there, and TensorFlow's
 own bfloat16 mean already adds up in float32, without materialising a float32
