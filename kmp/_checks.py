@@ -4,6 +4,8 @@
 '[1, 2] of type list'
 """
 
+import numbers
+from typing import Callable
 from typing import List
 
 from kmp._backend import keras
@@ -23,6 +25,31 @@ def describe(value) -> str:
     if len(text) > 200:
         text = text[:197] + "..."
     return f"{text} of type {type(value).__name__}"
+
+
+def checked_number(
+    value, argument: str, allowed: str, in_range: Callable[[float], bool]
+) -> float:
+    """`value` as a float, if it is a real number (not a bool) in range.
+
+    `allowed` completes "'argument' must be ..." in the errors. The range is
+    checked before float(), which overflows on a huge int; `in_range` must
+    be false for NaN (a comparison is).
+
+    Raises:
+        TypeError: `value` is not a number.
+        ValueError: `in_range(value)` is false.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"'{argument}' must be {allowed}. Received: "
+            f"{argument}={describe(value)}"
+        )
+    if not in_range(value):
+        raise ValueError(
+            f"'{argument}' must be {allowed}. Received: {argument}={value!r}"
+        )
+    return float(value)
 
 
 def checked_gradients(grads, variables) -> List:

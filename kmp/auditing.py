@@ -26,7 +26,6 @@ import dataclasses
 import math
 import numbers
 import os
-import reprlib
 from typing import Callable
 from typing import Dict
 from typing import List
@@ -38,6 +37,8 @@ import numpy as np
 from kmp import loss_scale as _rule
 from kmp._backend import keras
 from kmp._backend import tf
+from kmp._checks import checked_number
+from kmp._checks import describe
 from kmp.conversion import LOW_PRECISION_DTYPES
 from kmp.conversion import _check_built
 from kmp.conversion import _check_graph_model
@@ -478,9 +479,6 @@ def _mean_loss(loss_fn, target, output, output_name: str):
 
 
 _ARRAY_TYPES = (np.ndarray, tf.Tensor, tf.Variable, keras.Variable)
-_SHORT = reprlib.Repr()
-_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = 3
-_SHORT.maxlevel = 2
 
 
 def _as_arrays(value, argument: str):
@@ -506,8 +504,8 @@ def _as_arrays(value, argument: str):
                 hint = f" For lists of numbers, pass np.asarray({argument})."
             held = "" if leaf is value else f" holding a {type(leaf).__name__}"
             raise TypeError(
-                f"{allowed}. Received: {argument}={_SHORT.repr(value)} of "
-                f"type {type(value).__name__}{held}.{hint}"
+                f"{allowed}. Received: {argument}={describe(value)}{held}."
+                f"{hint}"
             )
     if not leaves:
         raise ValueError(
@@ -593,23 +591,6 @@ def _check_positive_int(value, argument: str) -> int:
     return int(value)
 
 
-def _check_number(value, argument: str, allowed: str, in_range) -> float:
-    """`value` as a float, if it is a number and `in_range(value)`.
-
-    The range is checked before float(), which overflows on a huge int.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"'{argument}' must be {allowed}. Received: {argument}={value!r} "
-            f"of type {type(value).__name__}"
-        )
-    if not in_range(value):  # False for NaN too.
-        raise ValueError(
-            f"'{argument}' must be {allowed}. Received: {argument}={value!r}"
-        )
-    return float(value)
-
-
 def audit(
     model: keras.Model,
     x,
@@ -684,7 +665,7 @@ def audit(
     batch_size = _check_positive_int(batch_size, "batch_size")
     steps = _check_positive_int(steps, "steps")
     if loss_scale is not None:
-        loss_scale = _check_number(
+        loss_scale = checked_number(
             loss_scale,
             "loss_scale",
             "a finite number >= 1 (and at most the largest float32, "
@@ -692,7 +673,7 @@ def audit(
             lambda value: _rule.MIN_SCALE <= value <= _rule.MAX_SCALE,
         )
     if max_relative_error is not None:
-        max_relative_error = _check_number(
+        max_relative_error = checked_number(
             max_relative_error,
             "max_relative_error",
             "a positive number or None",

@@ -37,10 +37,14 @@ import numpy as np
 from kmp._backend import keras
 from kmp._backend import tf
 from kmp._checks import checked_gradients
+from kmp._checks import checked_number
 from kmp._checks import describe
 
 _FLOATING = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 _TENSOR_TYPES = (tf.Tensor, tf.Variable, keras.Variable)
+_FLOAT_MAX = float(np.finfo(np.float64).max)
+_RATE = "a number in [0, 1) or a scalar floating tensor with a value in [0, 1)"
+_EPSILON = "a finite number >= 0 or a scalar floating tensor with such a value"
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -67,13 +71,20 @@ class FusedAdam(keras.optimizers.Adam):
         weight_decay=None,
         **kwargs,
     ):
+        if weight_decay is not None:
+            weight_decay = checked_number(
+                weight_decay,
+                "weight_decay",
+                "None or a finite number >= 0",
+                _at_least_zero,
+            )
         super().__init__(
             learning_rate=_checked_learning_rate(learning_rate),
-            beta_1=_checked_rate(beta_1, "beta_1"),
-            beta_2=_checked_rate(beta_2, "beta_2"),
-            epsilon=_checked_epsilon(epsilon),
+            beta_1=_checked(beta_1, "beta_1", _RATE, _below_one),
+            beta_2=_checked(beta_2, "beta_2", _RATE, _below_one),
+            epsilon=_checked(epsilon, "epsilon", _EPSILON, _at_least_zero),
             amsgrad=_checked_bool(amsgrad, "amsgrad"),
-            weight_decay=_checked_weight_decay(weight_decay),
+            weight_decay=weight_decay,
             **kwargs,
         )
 
@@ -145,121 +156,80 @@ def _constant(value, dtype):
 
 
 # --- Checks -------------------------------------------------------------------
+# Adam takes each hyperparameter as a number; the betas and epsilon also as
+# a scalar floating tensor or variable, read at every update.
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+def _at_least_zero(value) -> bool:
+    # False for NaN, inf and ints beyond float's range (float() overflows);
+    # a float bound would overflow comparing with a NumPy float32.
+    limit = _FLOAT_MAX if isinstance(value, numbers.Integral) else math.inf
+    return 0 <= value < limit
 
 
-def _finite_float(value):
-    """`value` as a float, or None if it is not finite (or too large)."""
-    try:
-        value = float(value)
-    except OverflowError:  # An int beyond the float range.
-        return None
-    return value if math.isfinite(value) else None
+def _below_one(value) -> bool:
+    return 0 <= value < 1
+
+
+def _checked(value, argument: str, allowed: str, in_range):
+    """A number in range as a float, or a scalar floating tensor or variable
+    kept as it is (its value checked if known now)."""
+    if isinstance(value, _TENSOR_TYPES):
+        received = f"{argument}={describe(value)}"
+        if not tf.as_dtype(value.dtype).is_floating:
+            raise TypeError(
+                f"'{argument}' must be {allowed}. Received: {received}"
+            )
+        if tf.TensorShape(value.shape).rank not in (0, None):
+            raise ValueError(
+                f"'{argument}' must be {allowed}. Received: {received}"
+            )
+        number = _known_value(value)
+        if number is not None and not in_range(float(number)):
+            raise ValueError(
+                f"'{argument}' must be {allowed}. Received: {received} and "
+                f"value {float(number)!r}"
+            )
+        return value
+    if callable(value):
+        allowed += " (Keras 3's Adam update cannot use a callable)"
+    return checked_number(value, argument, allowed, in_range)
+
+
+def _known_value(value):
+    """A tensor's constant value, or a variable's value when eager; or None."""
+    if isinstance(value, tf.Tensor):
+        return tf.get_static_value(value)
+    return value.numpy() if tf.executing_eagerly() else None
 
 
 def _checked_learning_rate(value):
-    if isinstance(value, keras.optimizers.schedules.LearningRateSchedule):
+    if isinstance(value, keras.optimizers.schedules.LearningRateSchedule) or (
+        callable(value) and not isinstance(value, _TENSOR_TYPES)
+    ):
         return value
     allowed = (
-        "'learning_rate' must be a finite number >= 0, a constant scalar "
-        "floating tensor, a keras.optimizers.schedules.LearningRateSchedule "
-        "or a callable that takes no arguments and returns the learning rate"
+        "a finite number >= 0, a constant scalar floating tensor, a "
+        "keras.optimizers.schedules.LearningRateSchedule or a callable that "
+        "takes no arguments and returns the learning rate"
     )
-    if isinstance(value, _TENSOR_TYPES):
-        _check_scalar_floating(value, "learning_rate", allowed)
-        number = (
-            tf.get_static_value(value) if isinstance(value, tf.Tensor) else None
-        )
-        if number is None:
-            # Keras keeps its own learning-rate variable; a tensor of a
-            # graph has no value to give it, and a variable's later
-            # assignments would silently not reach the optimizer.
-            raise TypeError(
-                f"{allowed}; a variable or a tensor inside a tf.function is "
-                "not (pass its value, or assign optimizer.learning_rate "
-                f"later). Received: learning_rate={describe(value)}"
-            )
-    elif callable(value):
+    value = _checked(value, "learning_rate", allowed, _at_least_zero)
+    if isinstance(value, float):
         return value
-    elif _is_number(value):
-        number = value
-    else:
-        raise TypeError(f"{allowed}. Received: learning_rate={describe(value)}")
-    finite = _finite_float(number)
-    if finite is None or finite < 0:
-        raise ValueError(f"{allowed}. Received: learning_rate={repr(value)}")
-    return finite
-
-
-def _check_scalar_floating(value, argument: str, allowed: str) -> None:
-    if not tf.as_dtype(value.dtype).is_floating:
-        raise TypeError(f"{allowed}. Received: {argument}={describe(value)}")
-    if tf.TensorShape(value.shape).rank not in (0, None):
-        raise ValueError(f"{allowed}. Received: {argument}={describe(value)}")
-
-
-def _tensor_value(value):
-    """A tensor's or variable's current value as a float, if readable now."""
-    if isinstance(value, tf.Tensor):
-        return tf.get_static_value(value)
-    if tf.executing_eagerly():
-        return value.numpy()
-    return None
-
-
-def _checked_tensor_or_number(value, argument: str, allowed: str, low, high):
-    """`value` if it is a number (as a float) or scalar floating tensor in
-    [low, high) (high None: no bound); a tensor's value is checked only if
-    it can be read now."""
-    if isinstance(value, _TENSOR_TYPES):
-        _check_scalar_floating(value, argument, allowed)
-        number = _tensor_value(value)
-        if number is None:
-            return value  # Its value is not known until the update runs.
-    elif _is_number(value):
-        number = value
-    else:
-        extra = (
-            " (Keras 3's Adam update cannot use a callable)"
-            if callable(value)
-            else ""
-        )
+    number = (
+        tf.get_static_value(value) if isinstance(value, tf.Tensor) else None
+    )
+    if number is None:
+        # Keras keeps its own learning-rate variable: a tensor of a graph has
+        # no value to give it, and a variable's later assignments would
+        # silently not reach the optimizer.
         raise TypeError(
-            f"{allowed}{extra}. Received: {argument}={describe(value)}"
+            f"'learning_rate' must be {allowed}; a variable or a tensor "
+            "inside a tf.function is not (pass its value, or assign "
+            "optimizer.learning_rate later). Received: "
+            f"learning_rate={describe(value)}"
         )
-    finite = _finite_float(number)
-    if finite is None or finite < low or (high is not None and finite >= high):
-        if isinstance(value, _TENSOR_TYPES):
-            shown = f"{describe(value)} and value {float(number)!r}"
-        else:
-            shown = repr(value)
-        raise ValueError(f"{allowed}. Received: {argument}={shown}")
-    return value if isinstance(value, _TENSOR_TYPES) else finite
-
-
-def _checked_rate(value, argument: str):
-    return _checked_tensor_or_number(
-        value,
-        argument,
-        f"'{argument}' must be a number in [0, 1) or a scalar floating "
-        "tensor with a value in [0, 1)",
-        0.0,
-        1.0,
-    )
-
-
-def _checked_epsilon(value):
-    return _checked_tensor_or_number(
-        value,
-        "epsilon",
-        "'epsilon' must be a finite number >= 0 or a scalar floating tensor "
-        "with such a value",
-        0.0,
-        None,
-    )
+    return float(number)
 
 
 def _checked_bool(value, argument: str) -> bool:
@@ -269,15 +239,3 @@ def _checked_bool(value, argument: str) -> bool:
             f"{argument}={describe(value)}"
         )
     return bool(value)
-
-
-def _checked_weight_decay(value):
-    if value is None:
-        return None
-    allowed = "'weight_decay' must be None or a finite number >= 0"
-    if not _is_number(value):
-        raise TypeError(f"{allowed}. Received: weight_decay={describe(value)}")
-    finite = _finite_float(value)
-    if finite is None or finite < 0:
-        raise ValueError(f"{allowed}. Received: weight_decay={repr(value)}")
-    return finite
