@@ -1,32 +1,37 @@
-"""kmp: mixed precision for Keras 3, the same in `fit` and in custom loops."""
+"""kmp: mixed precision for Keras 3, the same in `fit` and in custom loops.
+
+Importing kmp installs the changes to Keras listed in `kmp.patches` (and
+nothing else); `kmp.patches.uninstall()` takes them back.
+"""
 
 from kmp import callbacks
-from kmp import dense
-from kmp import mean
 from kmp import mixed_precision
-from kmp import recurrent
-from kmp.auditing import AuditReport
-from kmp.auditing import audit
-from kmp.conversion import convert
-from kmp.fused import FusedAdam
-from kmp.inspection import summary
-from kmp.optimizer import LossScaleOptimizer
-from kmp.policy import Policy
-from kmp.policy import global_policy
-from kmp.policy import policy_scope
-from kmp.policy import set_global_policy
+from kmp import patches
+from kmp.core import backend as _backend
+from kmp.core.optimizer import LossScaleOptimizer
+from kmp.core.policy import Policy
+from kmp.core.policy import global_policy
+from kmp.core.policy import policy_scope
+from kmp.core.policy import set_global_policy
+from kmp.tools.convert import convert
+from kmp.tools.summary import summary
 
-__version__ = "0.1.0"
+if _backend.is_tensorflow():
+    from kmp.core.fused import FusedAdam
+    from kmp.tools.audit import AuditReport
+    from kmp.tools.audit import audit
+else:
+    FusedAdam = _backend.tensorflow_only(
+        "kmp.FusedAdam",
+        "Use keras.optimizers.Adam: under jit (JAX) or torch.compile its "
+        "update is fused already.",
+    )
+    AuditReport = _backend.tensorflow_only("kmp.AuditReport")
+    audit = _backend.tensorflow_only("kmp.audit")
 
-# Recurrent layers cast their weights once per call, not once per time step
-# (bit-identical results; see kmp/recurrent.py).
-recurrent.install()
-# keras.ops.mean reduces bfloat16 without a float32 copy where that is
-# bit-identical (see kmp/mean.py).
-mean.install()
-# A float32 Dense fed bfloat16/float16 keeps that input for its backward pass,
-# not a float32 copy (bit-identical results; see kmp/dense.py).
-dense.install()
+__version__ = "0.2.0"
+
+patches.install_at_import()
 
 __all__ = [
     "AuditReport",
@@ -37,12 +42,10 @@ __all__ = [
     "audit",
     "callbacks",
     "convert",
-    "dense",
     "global_policy",
-    "mean",
     "mixed_precision",
+    "patches",
     "policy_scope",
-    "recurrent",
     "set_global_policy",
     "summary",
 ]

@@ -32,23 +32,25 @@ from typing import List
 from typing import Optional
 from typing import Union
 
+import keras
 import numpy as np
 
-from kmp import loss_scale as _rule
-from kmp._backend import keras
-from kmp._backend import tf
-from kmp._checks import checked_number
-from kmp._checks import describe
-from kmp.conversion import LOW_PRECISION_DTYPES
-from kmp.conversion import _check_built
-from kmp.conversion import _check_graph_model
-from kmp.conversion import _is_floating
-from kmp.conversion import convert
-from kmp.inspection import _existing_file
-from kmp.inspection import _format_table
-from kmp.inspection import _load_model
-from kmp.policy import PolicyLike
-from kmp.policy import _to_policy
+from kmp.core import loss_scale as _rule
+from kmp.core.backend import tensorflow as _tensorflow
+from kmp.core.checks import checked_number
+from kmp.core.checks import describe
+from kmp.core.policy import PolicyLike
+from kmp.core.policy import as_policy as _to_policy
+from kmp.tools.convert import LOW_PRECISION_DTYPES
+from kmp.tools.convert import _check_built
+from kmp.tools.convert import _check_graph_model
+from kmp.tools.convert import _is_floating
+from kmp.tools.convert import convert
+from kmp.tools.summary import _existing_file
+from kmp.tools.summary import _format_table
+from kmp.tools.summary import _load_model
+
+tf = _tensorflow()
 
 # The magnitudes each compute dtype represents: (smallest subnormal, smallest
 # normal, largest finite).
@@ -208,7 +210,9 @@ def _suggested_scale(max_gradient: float) -> float:
         return MAX_SUGGESTED_SCALE
     limit = DTYPE_RANGES["float16"][2] / GRADIENT_HEADROOM
     exponent = math.floor(math.log2(limit / max_gradient))
-    return float(min(max(2.0**exponent, _rule.MIN_SCALE), MAX_SUGGESTED_SCALE))
+    return float(
+        min(max(2.0**exponent, _rule.DEFAULT_MIN_SCALE), MAX_SUGGESTED_SCALE)
+    )
 
 
 # --- Running the two models ---------------------------------------------------
@@ -670,7 +674,7 @@ def audit(
             "loss_scale",
             "a finite number >= 1 (and at most the largest float32, "
             f"{_rule.MAX_SCALE:.4g})",
-            lambda value: _rule.MIN_SCALE <= value <= _rule.MAX_SCALE,
+            lambda value: _rule.DEFAULT_MIN_SCALE <= value <= _rule.MAX_SCALE,
         )
     if max_relative_error is not None:
         max_relative_error = checked_number(

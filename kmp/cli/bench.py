@@ -40,13 +40,15 @@ from typing import Dict
 from typing import List
 from typing import Sequence
 
+import keras
 import numpy as np
 
 import kmp
-from kmp._backend import keras
-from kmp._backend import tf
-from kmp.policy import POLICY_NAMES
-from kmp.policy import policy_scope
+from kmp.core.backend import tensorflow as _tensorflow
+from kmp.core.policy import POLICY_NAMES
+from kmp.core.policy import policy_scope
+
+tf = _tensorflow()
 
 LOOPS = ("fit", "custom")
 DEFAULT_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")

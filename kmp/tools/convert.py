@@ -24,12 +24,12 @@ from typing import Iterable
 from typing import List
 from typing import Union
 
+import keras
 from keras.src.models.functional import Functional
 
-from kmp._backend import keras
-from kmp.policy import PolicyLike
-from kmp.policy import _to_policy
-from kmp.policy import policy_scope
+from kmp.core.policy import PolicyLike
+from kmp.core.policy import as_policy as _to_policy
+from kmp.core.policy import policy_scope
 
 LOW_PRECISION_DTYPES = ("float16", "bfloat16")
 _SOFTMAX_ACTIVATIONS = ("softmax", "log_softmax")

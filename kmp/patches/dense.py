@@ -1,4 +1,4 @@
-"""Float32 Dense layers that keep a low-precision input, not a float32 copy.
+"""Patch `dense`: a float32 Dense keeps a low-precision input, not its copy.
 
 The usual mixed-precision model ends in a float32 layer (`Dense(10,
 dtype="float32")`). Fed bfloat16 or float16 activations, Keras casts them to
@@ -10,7 +10,7 @@ hidden layer, the largest single reason bfloat16 training needed 0.87x of
 float32's memory rather than about half (`python
 benchmarks/memory_breakdown.py --models mlp`).
 
-`install()` makes `keras.layers.Dense` keep the low-precision tensor for its
+The patch makes `keras.layers.Dense` keep the low-precision tensor for its
 backward pass instead and cast it again there. A cast to a wider type is
 exact, and the backward pass runs the same kernels TensorFlow's own gradient
 of the product runs, so outputs and gradients are bit-identical to Keras's
@@ -25,21 +25,20 @@ a `Dense` whose `call` is Keras's own (not overridden by a subclass), with a
 float32 kernel, no LoRA and no quantization, fed a float32 tensor (any rank,
 known last dimension; e.g. a sequence model's float32 output layer) that
 Keras made by casting a bfloat16 or float16 one. Everything else runs
-Keras's `Dense.call`. Importing kmp installs it; `uninstall()` restores
-Keras's method.
+Keras's `Dense.call`. TensorFlow backend only.
 """
 
 from keras import ops
 from keras.src.layers.core import dense as _keras_dense
 from tensorflow.python.ops import gen_math_ops
 
-from kmp._backend import tf
-from kmp._patch import Patch
+from kmp.core import backend
+from kmp.patches import registry
 
-_LOW_PRECISION = (tf.bfloat16, tf.float16)
+_LOW_PRECISION = ("bfloat16", "float16")
 
 
-def _low_precision_source(inputs):
+def _low_precision_source(tf, inputs):
     """The bfloat16/float16 tensor `inputs` was cast from, else None."""
     if tf.executing_eagerly() or not isinstance(inputs, tf.Tensor):
         return None
@@ -52,31 +51,32 @@ def _low_precision_source(inputs):
     if op is None or op.type != "Cast" or len(op.inputs) != 1:
         return None
     source = op.inputs[0]
-    return source if source.dtype in _LOW_PRECISION else None
+    return source if source.dtype.name in _LOW_PRECISION else None
 
 
 def _keeps_input_low(layer) -> bool:
     """Whether `layer` runs Keras's own Dense product on a float32 kernel."""
     return (
-        type(layer).call is _patch.replacement
+        getattr(type(layer).call, "__kmp_patch__", None) == "dense"
         and not layer.lora_enabled
         and layer.quantization_mode is None
         and layer.kernel.dtype == "float32"
     )
 
 
-def _input_gradient(upstream, kernel, dtype):
+def input_gradient(upstream, kernel, dtype):
     """The product's gradient for its input, cast to the input's `dtype`.
 
     What TensorFlow's MatMul gradient and the Cast's gradient compute.
     """
+    tf = backend.tensorflow()
     d_wide = gen_math_ops.mat_mul(
         upstream, kernel, transpose_b=True, grad_a=True
     )
     return tf.cast(d_wide, dtype)
 
 
-def _product(wide, source, kernel):
+def _product(tf, wide, source, kernel):
     """`wide @ kernel`, whose gradient casts `source` again for the kernel's."""
 
     @tf.custom_gradient
@@ -91,7 +91,7 @@ def _product(wide, source, kernel):
                 wide_again, upstream, transpose_a=True, grad_b=True
             )
             with tf.control_dependencies([d_kernel]):
-                d_source = _input_gradient(upstream, kernel, source.dtype)
+                d_source = input_gradient(upstream, kernel, source.dtype)
             return d_source, d_kernel
 
         return tf.matmul(wide, kernel), gradient
@@ -99,18 +99,20 @@ def _product(wide, source, kernel):
     return product(source, kernel)
 
 
-def _call(self, inputs, training=None):
+def call(original, self, inputs, training=None):
     """Keras's `Dense.call`, keeping a low-precision input for backward."""
-    source = _low_precision_source(inputs)
+    tf = backend.tensorflow()
+    source = _low_precision_source(tf, inputs)
     if source is None or not _keeps_input_low(self):
-        return _patch.original(self, inputs, training=training)
+        return original(self, inputs, training=training)
     kernel = ops.convert_to_tensor(self.kernel)
     if inputs.shape.rank == 2:
-        x = _product(inputs, source, kernel)
+        x = _product(tf, inputs, source, kernel)
     else:
         # As Keras's tensordot does: the product of the rows, reshaped back.
         depth = inputs.shape[-1]
         rows = _product(
+            tf,
             tf.reshape(inputs, [-1, depth]),
             tf.reshape(source, [-1, depth]),
             kernel,
@@ -125,43 +127,14 @@ def _call(self, inputs, training=None):
     return x
 
 
-_patch = Patch(_keras_dense.Dense, "call", _call)
-
-
-def install() -> None:
-    """Makes float32 `Dense` layers keep a low-precision input for backward.
-
-    Only where the results are bit-identical to Keras's (see the module
-    docstring); from the next trace on. Calling it again does nothing.
-
-    Example:
-
-    >>> install()  # importing kmp already did
-    >>> is_installed()
-    True
-    """
-    _patch.install()
-
-
-def uninstall() -> None:
-    """Gives `keras.layers.Dense` Keras's own `call` back.
-
-    Example:
-
-    >>> uninstall()
-    >>> is_installed()
-    False
-    >>> install()  # as importing kmp left it
-    """
-    _patch.uninstall()
-
-
-def is_installed() -> bool:
-    """Whether `install()` is in effect.
-
-    Example:
-
-    >>> is_installed() in (True, False)
-    True
-    """
-    return _patch.installed
+PATCH = registry.Patch(
+    name="dense",
+    kind=registry.PERFORMANCE,
+    summary=(
+        "a float32 Dense fed bfloat16/float16 activations keeps them, not "
+        "their float32 copy, for its backward pass (bit-identical)"
+    ),
+    targets=lambda: [registry.Target(_keras_dense.Dense, "call", call)],
+    backends=("tensorflow",),
+    tensorflow_versions=registry.TESTED_TENSORFLOW,
+)

@@ -32,13 +32,15 @@ Example:
 import math
 import numbers
 
+import keras
 import numpy as np
 
-from kmp._backend import keras
-from kmp._backend import tf
-from kmp._checks import checked_gradients
-from kmp._checks import checked_number
-from kmp._checks import describe
+from kmp.core import backend
+from kmp.core.checks import checked_gradients
+from kmp.core.checks import checked_number
+from kmp.core.checks import describe
+
+tf = backend.tensorflow()
 
 _FLOATING = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 _TENSOR_TYPES = (tf.Tensor, tf.Variable, keras.Variable)

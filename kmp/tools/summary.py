@@ -22,14 +22,15 @@ from typing import Callable
 from typing import List
 from typing import Optional
 
-from kmp._backend import keras
-from kmp.conversion import LOW_PRECISION_DTYPES
-from kmp.conversion import _check_built
-from kmp.conversion import _check_graph_model
-from kmp.conversion import _is_floating
-from kmp.conversion import _is_graph_model
-from kmp.conversion import _is_softmax_layer
-from kmp.policy import global_policy
+import keras
+
+from kmp.core.policy import global_policy
+from kmp.tools.convert import LOW_PRECISION_DTYPES
+from kmp.tools.convert import _check_built
+from kmp.tools.convert import _check_graph_model
+from kmp.tools.convert import _is_floating
+from kmp.tools.convert import _is_graph_model
+from kmp.tools.convert import _is_softmax_layer
 
 # Tensor Cores multiply float16 matrices whose dimensions are multiples of 8.
 TENSOR_CORE_MULTIPLE = 8

@@ -1,8 +1,9 @@
-"""`kmp doctor`: what this machine offers for mixed precision, and the policy.
+"""The hardware: GPUs, TPUs, CPU instructions, and the policy they suit.
 
-It reports the TensorFlow and Keras versions, the GPUs with their compute
-capability, the TPUs, and the CPU's bfloat16 and float16 instructions,
-then recommends:
+Pure functions of plain values (`parse_cpu_flags`, `recommend_policy`)
+decide, so they can be tested with made-up machines; `list_gpus`,
+`count_tpus` and `read_cpu_flags` look at this machine through the Keras
+backend in use. The policy recommended:
 
 1. a TPU: `"mixed_bfloat16"` (TPUs compute in bfloat16 natively);
 2. a GPU of compute capability 7.0 or higher: `"mixed_float16"` (Tensor
@@ -11,23 +12,20 @@ then recommends:
    `"mixed_bfloat16"` (only when no GPU would run the model instead);
 4. otherwise `"float32"`: low precision would only be emulated, and slower.
 
-The decision is made by pure functions of plain values (`parse_cpu_flags`,
-`recommend_policy`), so it can be tested with made-up machines.
-`warn_if_float16_is_slow()` uses the same rule to warn, once per process, when
-`"mixed_float16"` is chosen on a machine that would run it slowly.
+`warn_if_float16_is_slow()` uses the same rule to warn, once per process,
+when float16 is chosen on a machine that would run it slowly.
 """
 
 import dataclasses
+import importlib
 import logging
-import platform
 import threading
 from typing import Iterable
 from typing import List
 from typing import Optional
 from typing import Tuple
 
-from kmp._backend import keras
-from kmp._backend import tf
+from kmp.core import backend
 
 CPUINFO_PATH = "/proc/cpuinfo"
 # The x86 flags /proc/cpuinfo shows for bfloat16 instructions.
@@ -67,28 +65,6 @@ class Gpu:
         return f"{self.name} (compute capability {major}.{minor})"
 
 
-@dataclasses.dataclass(frozen=True)
-class Environment:
-    """What `kmp doctor` found on this machine.
-
-    Attributes:
-        tensorflow_version: `tf.__version__`.
-        keras_version: `keras.__version__`.
-        python_version: The Python version.
-        gpus: The physical GPUs.
-        tpus: How many TPU devices TensorFlow sees.
-        cpu_flags: The CPU flags read from /proc/cpuinfo, or None when it
-            could not be read (not Linux, for one).
-    """
-
-    tensorflow_version: str
-    keras_version: str
-    python_version: str
-    gpus: Tuple[Gpu, ...]
-    tpus: int
-    cpu_flags: Optional[frozenset]
-
-
 def parse_cpu_flags(cpuinfo: str) -> frozenset:
     """Returns the CPU flags listed in the text of /proc/cpuinfo.
 
@@ -123,7 +99,36 @@ def read_cpu_flags(path: str = CPUINFO_PATH) -> Optional[frozenset]:
 
 
 def list_gpus() -> List[Gpu]:
-    """The physical GPUs TensorFlow sees, with their compute capability."""
+    """The physical GPUs the Keras backend sees, with compute capability."""
+    if backend.is_tensorflow():
+        return _tensorflow_gpus(backend.tensorflow())
+    if backend.is_jax():
+        jax = importlib.import_module("jax")
+        gpus = []
+        for device in jax.devices():
+            if device.platform != "gpu":
+                continue
+            capability = getattr(device, "compute_capability", None)
+            if isinstance(capability, str) and "." in capability:
+                major, minor = capability.split(".")[:2]
+                capability = (int(major), int(minor))
+            gpus.append(Gpu(device.device_kind, capability or None))
+        return gpus
+    if backend.is_torch():
+        torch = importlib.import_module("torch")
+        if not torch.cuda.is_available():
+            return []
+        return [
+            Gpu(
+                torch.cuda.get_device_name(index),
+                tuple(torch.cuda.get_device_capability(index)),
+            )
+            for index in range(torch.cuda.device_count())
+        ]
+    return []
+
+
+def _tensorflow_gpus(tf) -> List[Gpu]:
     gpus = []
     for index, device in enumerate(tf.config.list_physical_devices("GPU")):
         try:
@@ -143,8 +148,14 @@ def list_gpus() -> List[Gpu]:
 
 
 def count_tpus() -> int:
-    """How many TPU devices TensorFlow sees (without connecting to one)."""
-    return len(tf.config.list_physical_devices("TPU"))
+    """How many TPU devices the backend sees (without connecting to one)."""
+    if backend.is_tensorflow():
+        tf = backend.tensorflow()
+        return len(tf.config.list_physical_devices("TPU"))
+    if backend.is_jax():
+        jax = importlib.import_module("jax")
+        return sum(device.platform == "tpu" for device in jax.devices())
+    return 0
 
 
 def recommend_policy(
@@ -209,67 +220,6 @@ def recommend_policy(
         f"No GPU or TPU, and {cpu}: low precision would be emulated, "
         "slower than float32.",
     )
-
-
-def collect_environment() -> Environment:
-    """Looks at this machine: versions, GPUs, TPUs and CPU flags."""
-    return Environment(
-        tensorflow_version=tf.__version__,
-        keras_version=keras.__version__,
-        python_version=platform.python_version(),
-        gpus=tuple(list_gpus()),
-        tpus=count_tpus(),
-        cpu_flags=read_cpu_flags(),
-    )
-
-
-def format_report(environment: Environment) -> str:
-    """The text `kmp doctor` prints for `environment`."""
-    lines = [
-        f"TensorFlow {environment.tensorflow_version}, Keras "
-        f"{environment.keras_version} ({keras.backend.backend()} backend), "
-        f"Python {environment.python_version}",
-    ]
-    if environment.gpus:
-        lines.append(f"GPUs: {len(environment.gpus)}")
-        lines.extend(
-            f"  GPU {index}: {gpu.describe()}"
-            + ("" if gpu.has_tensor_cores else ", no Tensor Cores")
-            for index, gpu in enumerate(environment.gpus)
-        )
-    else:
-        lines.append("GPUs: none")
-    lines.append(f"TPUs: {environment.tpus or 'none'}")
-    if environment.cpu_flags is None:
-        lines.append(
-            f"CPU bfloat16 instructions: unknown ({CPUINFO_PATH} unreadable)"
-        )
-    else:
-        present = [f for f in BFLOAT16_CPU_FLAGS if f in environment.cpu_flags]
-        lines.append(
-            "CPU bfloat16 instructions: " + (", ".join(present) or "none")
-        )
-        present = [f for f in FLOAT16_CPU_FLAGS if f in environment.cpu_flags]
-        lines.append(
-            "CPU float16 instructions: " + (", ".join(present) or "none")
-        )
-        if present and not environment.gpus:
-            lines.append(
-                "  float16 is fast here only with TensorFlow's op fusion off: "
-                "tf.config.optimizer.set_experimental_options("
-                "{'remapping': False}) (its fused float16 MatMul kernel is "
-                "about 1000x slower on CPUs)"
-            )
-    policy, reason = recommend_policy(
-        environment.gpus, environment.tpus, environment.cpu_flags
-    )
-    lines += [
-        "",
-        f"Recommended policy: {policy}",
-        f"  {reason}",
-        f"  kmp.set_global_policy({policy!r})",
-    ]
-    return "\n".join(lines)
 
 
 # --- The warning set_global_policy gives --------------------------------------
@@ -340,37 +290,3 @@ def warn_if_float16_is_slow() -> bool:
         return False
     logger.warning(message)
     return True
-
-
-# --- kmp doctor ---------------------------------------------------------------
-
-
-def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "doctor",
-        help="report the hardware and recommend a policy",
-        description=(
-            "Report TensorFlow and Keras versions, GPUs and their compute "
-            "capability, TPUs and the CPU's bfloat16 and float16 "
-            "instructions, and "
-            "recommend a dtype policy for this machine."
-        ),
-    )
-    parser.set_defaults(func=run)
-
-
-def run(args) -> int:
-    print(format_report(collect_environment()))
-    return 0
-
-
-__all__ = [
-    "Environment",
-    "Gpu",
-    "collect_environment",
-    "format_report",
-    "parse_cpu_flags",
-    "read_cpu_flags",
-    "recommend_policy",
-    "warn_if_float16_is_slow",
-]

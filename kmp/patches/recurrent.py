@@ -1,18 +1,18 @@
-"""Casts recurrent layers' weights once per call, not at every time step.
+"""Patch `recurrent`: recurrent layers cast their weights once per call.
 
 Under a mixed policy Keras 3 casts a layer's float32 variables to the compute
 dtype where the layer reads them. Its recurrent layers read them in the cell,
 and the cell runs inside the loop over time steps, so on TensorFlow without
 cuDNN every step of `LSTM`, `GRU` and `SimpleRNN` reads the kernel, the
 recurrent kernel and the bias, casts them again, and keeps each step's copy
-for the backward pass. `install()` makes these layers read and cast each
+for the backward pass. The patch makes these layers read and cast each
 weight once per call, before the loop, and gives the loop that tensor.
 
 The results stay bit-identical to Keras's: the loop computes with the same
 cast values, and the gradient still reaches each variable as Keras's
 per-step cast sends it (each step's gradient cast to float32, then summed over
 the steps in float32), not summed in the compute dtype first
-(`install(exact=False)` sums it in the compute dtype, as `tf.keras` did:
+(`set_exact(False)` sums it in the compute dtype, as `tf.keras` did:
 faster, rounded differently). Layers running
 in their variables' dtype (float32 policies), custom cells, stacked cells,
 `stateless_call` and symbolic tracing keep Keras's own path. Nothing about a
@@ -20,18 +20,19 @@ layer's config or weights changes, so models save and load as before.
 
 It replaces `keras.src.layers.rnn.rnn.RNN.inner_loop` (the method every
 recurrent layer runs its loop through on this backend) with a wrapper that
-enters a Keras `AutocastScope` which hands out the cast tensors. Importing
-kmp installs it; `uninstall()` restores Keras's loop.
+enters a Keras `AutocastScope` which hands out the cast tensors.
+TensorFlow backend only.
 """
 
+import keras
 from keras.src.backend.common import variables as _keras_variables
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.layers.rnn import rnn as _keras_rnn
 
-from kmp._backend import keras
-from kmp._backend import tf
-from kmp._patch import Patch
+from kmp.core import backend
+from kmp.core import checks
+from kmp.patches import registry
 
 # Cells whose step only reads their variables, never assigns them.
 _CELLS = (
@@ -40,10 +41,35 @@ _CELLS = (
     keras.layers.SimpleRNNCell,
 )
 
-_exact = True
+
+class _Settings:
+    exact = True
 
 
-def _cast_once(variable, dtype, exact):
+# Kept by importlib.reload, which runs this module again in the same dict.
+_settings = globals().get("_settings") or _Settings()
+
+
+def set_exact(exact: bool) -> None:
+    """Chooses how the gradient reaches the weights (see the docstring).
+
+    Args:
+        exact: `True` (default): outputs and gradients are bit-identical to
+            Keras's. `False`: the loop uses the cast weights directly, so
+            TensorFlow sums their gradient over the time steps in the compute
+            dtype before casting it to float32 once (as `tf.keras` did). The
+            outputs are still identical and the backward pass is faster, but
+            the gradients are rounded differently. From the next trace on.
+
+    Raises:
+        TypeError: `exact` is not a bool.
+
+    >>> set_exact(True)
+    """
+    _settings.exact = checks.checked_bool(exact, "exact")
+
+
+def _cast_once(tf, variable, dtype, exact):
     """Reads `variable`, casts it to `dtype` and returns a reader of the cast.
 
     The reader is called wherever the layer reads the variable, inside the
@@ -74,6 +100,7 @@ class _CastOnceScope(_keras_variables.AutocastScope):
 
     def __init__(self, dtype, variables, exact):
         super().__init__(dtype)
+        tf = backend.tensorflow()
         self._readers = {}
         for variable in variables:
             # `_value` is the backend variable that `KerasVariable.value`
@@ -89,7 +116,7 @@ class _CastOnceScope(_keras_variables.AutocastScope):
                 continue
             self._readers[id(value)] = (
                 value,
-                _cast_once(value, self.dtype, exact),
+                _cast_once(tf, value, self.dtype, exact),
             )
 
     def maybe_cast(self, value):
@@ -99,7 +126,7 @@ class _CastOnceScope(_keras_variables.AutocastScope):
         return super().maybe_cast(value)
 
 
-def _inner_loop(self, sequences, initial_state, mask, training=False):
+def inner_loop(original, self, sequences, initial_state, mask, training=False):
     """`RNN.inner_loop`, with the cell's weights cast once beforehand."""
     scope = _keras_variables.get_autocast_scope()
     if (
@@ -110,77 +137,19 @@ def _inner_loop(self, sequences, initial_state, mask, training=False):
         or in_stateless_scope()
         or in_symbolic_scope()
     ):
-        return _patch.original(
-            self, sequences, initial_state, mask, training=training
-        )
-    with _CastOnceScope(scope.dtype, self.cell.variables, _exact):
-        return _patch.original(
-            self, sequences, initial_state, mask, training=training
-        )
+        return original(self, sequences, initial_state, mask, training=training)
+    with _CastOnceScope(scope.dtype, self.cell.variables, _settings.exact):
+        return original(self, sequences, initial_state, mask, training=training)
 
 
-_patch = Patch(_keras_rnn.RNN, "inner_loop", _inner_loop)
-
-
-def install(exact: bool = True) -> None:
-    """Makes Keras's recurrent layers cast their weights once per call.
-
-    Affects `keras.layers.LSTM`, `GRU` and `SimpleRNN` (and `RNN` over one of
-    their cells) whose compute dtype differs from their variables' dtype,
-    from their next trace on; functions traced before keep their graphs.
-    Calling it again only changes `exact`.
-
-    Args:
-        exact: `True` (default): outputs and gradients are bit-identical to
-            Keras's. `False`: the loop uses the cast weights directly, so
-            TensorFlow sums their gradient over the time steps in the compute
-            dtype before casting it to float32 once (as `tf.keras` did). The
-            outputs are still identical and the backward pass is faster, but
-            the gradients are rounded differently.
-
-    Raises:
-        TypeError: `exact` is not a bool.
-
-    Example:
-
-    >>> install()  # importing kmp already did
-    >>> is_installed()
-    True
-    """
-    if not isinstance(exact, bool):
-        raise TypeError(
-            f"'exact' must be True or False. Received: exact={exact!r}"
-        )
-    global _exact
-    _exact = exact
-    _patch.install()
-
-
-def uninstall() -> None:
-    """Gives Keras's recurrent layers their own time loop back.
-
-    Functions traced while installed keep their graphs. Calling it when not
-    installed does nothing.
-
-    Example:
-
-    >>> uninstall()
-    >>> is_installed()
-    False
-    >>> install()  # as importing kmp left it
-    """
-    _patch.uninstall()
-
-
-def is_installed() -> bool:
-    """Whether `install()` is in effect.
-
-    Returns:
-        `True` between `install()` and `uninstall()`.
-
-    Example:
-
-    >>> is_installed() in (True, False)
-    True
-    """
-    return _patch.installed
+PATCH = registry.Patch(
+    name="recurrent",
+    kind=registry.PERFORMANCE,
+    summary=(
+        "LSTM, GRU and SimpleRNN under a mixed policy cast their weights "
+        "once per call instead of at every time step (bit-identical)"
+    ),
+    targets=lambda: [registry.Target(_keras_rnn.RNN, "inner_loop", inner_loop)],
+    backends=("tensorflow",),
+    tensorflow_versions=registry.TESTED_TENSORFLOW,
+)

@@ -1,0 +1,111 @@
+"""The Keras backend kmp runs on, and TensorFlow where that backend is it.
+
+kmp works on Keras's TensorFlow, JAX and torch backends. TensorFlow is
+imported only on the TensorFlow backend (`tensorflow()`), so `import kmp`
+works in an environment without it.
+
+>>> name() in SUPPORTED_BACKENDS
+True
+"""
+
+import importlib
+
+import keras
+
+SUPPORTED_BACKENDS = ("tensorflow", "jax", "torch")
+
+
+def name() -> str:
+    """The name of the backend Keras runs on (`keras.backend.backend()`)."""
+    return keras.backend.backend()
+
+
+def is_tensorflow() -> bool:
+    """Whether Keras runs on TensorFlow."""
+    return name() == "tensorflow"
+
+
+def is_jax() -> bool:
+    """Whether Keras runs on JAX."""
+    return name() == "jax"
+
+
+def is_torch() -> bool:
+    """Whether Keras runs on torch."""
+    return name() == "torch"
+
+
+def check_supported(what: str) -> None:
+    """Raises a RuntimeError unless the backend is one kmp trains on.
+
+    Args:
+        what: What needs it, for the message ("kmp.LossScaleOptimizer").
+    """
+    if name() not in SUPPORTED_BACKENDS:
+        raise RuntimeError(
+            f"{what} supports Keras's {', '.join(SUPPORTED_BACKENDS)} "
+            f"backends. Keras runs on {name()!r}: set the environment "
+            "variable KERAS_BACKEND to one of those before importing keras."
+        )
+
+
+def tensorflow():
+    """The `tensorflow` module, on the TensorFlow backend only.
+
+    Raises:
+        RuntimeError: Keras runs on another backend.
+    """
+    if not is_tensorflow():
+        raise RuntimeError(
+            "This needs Keras's TensorFlow backend; Keras runs on "
+            f"{name()!r}. Set KERAS_BACKEND=tensorflow before importing "
+            "keras."
+        )
+    return importlib.import_module("tensorflow")
+
+
+def version_tuple(text: str) -> tuple:
+    """`"3.15.1"` -> `(3, 15, 1)`; pre-release and local parts are dropped.
+
+    >>> version_tuple("2.21.0rc1"), version_tuple("3.12.0.dev2025")
+    ((2, 21, 0), (3, 12, 0))
+    """
+    numbers = []
+    for part in text.split("+")[0].split(".")[:3]:
+        digits = ""
+        for character in part:
+            if not character.isdigit():
+                break
+            digits += character
+        numbers.append(int(digits) if digits else 0)
+    return tuple(numbers)
+
+
+def keras_version() -> tuple:
+    """The installed Keras's version as a tuple of three ints."""
+    return version_tuple(keras.__version__)
+
+
+def tensorflow_version():
+    """TensorFlow's version as a tuple, or None off the TensorFlow backend."""
+    if not is_tensorflow():
+        return None
+    return version_tuple(tensorflow().__version__)
+
+
+def tensorflow_only(what: str, alternative: str = ""):
+    """A stand-in for a TensorFlow-only kmp name on another backend.
+
+    Calling it (or creating it, for a class) raises a RuntimeError that says
+    so, at the user's call.
+    """
+
+    def unavailable(*args, **kwargs):
+        raise RuntimeError(
+            f"{what} needs Keras's TensorFlow backend; Keras runs on "
+            f"{name()!r}. {alternative}".strip()
+        )
+
+    unavailable.__name__ = what.rsplit(".", 1)[-1]
+    unavailable.__doc__ = f"{what}: TensorFlow backend only."
+    return unavailable

@@ -1,0 +1,273 @@
+"""Checks of user input shared across kmp, and how errors show values.
+
+Every check raises at the call the user made, before anything changes:
+`TypeError` for a wrong type, `ValueError` for a wrong value, with the
+argument's name, what is allowed and what was received.
+
+>>> describe([1, 2])
+'[1, 2] of type list'
+"""
+
+import math
+import numbers
+from typing import Callable
+from typing import List
+from typing import Optional
+
+import keras
+import numpy as np
+
+from kmp.core import backend
+
+FLOATING_DTYPES = ("float16", "bfloat16", "float32", "float64")
+LOW_PRECISION_DTYPES = ("float16", "bfloat16")
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def is_tensor(value) -> bool:
+    """Whether `value` is a backend tensor, a Keras variable or a TF one."""
+    if isinstance(value, keras.Variable) or keras.ops.is_tensor(value):
+        return True
+    return backend.is_tensorflow() and isinstance(
+        value, backend.tensorflow().Variable
+    )
+
+
+def is_variable(value) -> bool:
+    """Whether `value` is a Keras variable (or, on TensorFlow, a TF one)."""
+    if isinstance(value, keras.Variable):
+        return True
+    return backend.is_tensorflow() and isinstance(
+        value, backend.tensorflow().Variable
+    )
+
+
+def is_indexed_slices(value) -> bool:
+    """Whether `value` is a TensorFlow sparse gradient (`tf.IndexedSlices`)."""
+    return backend.is_tensorflow() and isinstance(
+        value, backend.tensorflow().IndexedSlices
+    )
+
+
+def dtype_name(value) -> str:
+    """The standard Keras name of a tensor's or variable's dtype."""
+    return keras.backend.standardize_dtype(value.dtype)
+
+
+def shape_text(shape) -> str:
+    """`(2, 3)`, or "unknown" for a shape of unknown rank (or None)."""
+    if shape is None:
+        return "unknown"
+    if backend.is_tensorflow():
+        tf = backend.tensorflow()
+        if isinstance(shape, tf.TensorShape):
+            if shape.rank is None:
+                return "unknown"
+            shape = shape.as_list()
+    return str(tuple(None if d is None else int(d) for d in shape))
+
+
+def describe(value) -> str:
+    """A short description of a user's value for an error message."""
+    if is_tensor(value):
+        kind = "a variable" if is_variable(value) else "a tensor"
+        return (
+            f"{kind} of dtype {dtype_name(value)} and shape "
+            f"{shape_text(value.shape)}"
+        )
+    text = repr(value)
+    if len(text) > 200:
+        text = text[:197] + "..."
+    return f"{text} of type {type(value).__name__}"
+
+
+def checked_bool(value, argument: str) -> bool:
+    """`value` if it is True or False (a NumPy bool too).
+
+    Raises:
+        TypeError: anything else, 0 and 1 included.
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            f"'{argument}' must be True or False. Received: "
+            f"{argument}={describe(value)}"
+        )
+    return bool(value)
+
+
+def checked_number(
+    value, argument: str, allowed: str, in_range: Callable[[float], bool]
+) -> float:
+    """`value` as a float, if it is a real number (not a bool) in range.
+
+    `allowed` completes "'argument' must be ..." in the errors. The range is
+    checked before float(), which overflows on a huge int; `in_range` must
+    be false for NaN (a comparison is).
+
+    Raises:
+        TypeError: `value` is not a number.
+        ValueError: `in_range(value)` is false.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, numbers.Real
+    ):
+        raise TypeError(
+            f"'{argument}' must be {allowed}. Received: "
+            f"{argument}={describe(value)}"
+        )
+    if not in_range(value):
+        raise ValueError(
+            f"'{argument}' must be {allowed}. Received: {argument}={value!r}"
+        )
+    return float(value)
+
+
+def checked_integer(
+    value, argument: str, minimum: int, maximum: int, allowed: str
+) -> int:
+    """`value` as an int if it is an integer (not a bool) in [min, max]."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, numbers.Integral
+    ):
+        raise TypeError(
+            f"'{argument}' must be {allowed}. Received: "
+            f"{argument}={describe(value)}"
+        )
+    if not minimum <= value <= maximum:
+        raise ValueError(
+            f"'{argument}' must be {allowed}. Received: {argument}={value!r}"
+        )
+    return int(value)
+
+
+def concrete_value(value) -> Optional[float]:
+    """A scalar tensor's or variable's value as a float, when it has one now.
+
+    None for a symbolic tensor (inside a `tf.function` or a JAX trace).
+    """
+    if backend.is_tensorflow():
+        tf = backend.tensorflow()
+        if isinstance(value, keras.Variable):
+            value = value.value
+        if isinstance(value, tf.Variable):
+            if not tf.executing_eagerly():
+                return None
+            return float(value.numpy())
+        if isinstance(value, tf.Tensor):
+            static = tf.get_static_value(value)
+            return None if static is None else float(static)
+    try:
+        return float(keras.ops.convert_to_numpy(value))
+    except Exception:  # A tracer: no value until the trace runs.
+        return None
+
+
+def is_finite_number(value) -> bool:
+    """Whether `value` (a float) is finite and fits in float32."""
+    return -_FLOAT32_MAX <= value <= _FLOAT32_MAX
+
+
+def checked_gradients(grads, variables) -> List:
+    """`grads` as tensors, after checking each against its variable.
+
+    There must be one gradient per variable. A gradient may be None, a
+    `tf.IndexedSlices` (rows of its variable; TensorFlow only) or anything
+    convertible to a floating tensor of its variable's shape; each variable
+    must be a Keras variable (or a TensorFlow one). Only static shapes and
+    dtypes are read, so inside a traced function this adds no op.
+
+    Raises:
+        TypeError: a variable is not one, or a gradient is not floating.
+        ValueError: the counts differ, or a gradient's shape is not its
+            variable's.
+    """
+    if len(grads) != len(variables):
+        raise ValueError(
+            "There must be one gradient per variable. Received "
+            f"{len(grads)} gradients for {len(variables)} variables."
+        )
+    checked = []
+    for index, (gradient, variable) in enumerate(zip(grads, variables)):
+        if not is_variable(variable):
+            raise TypeError(
+                "Every variable must be a Keras variable, such as those in "
+                "model.trainable_variables. Received at position "
+                f"{index}: {describe(variable)}"
+            )
+        if gradient is not None:
+            gradient = _checked_gradient(gradient, variable, index)
+        checked.append(gradient)
+    return checked
+
+
+def variable_name(variable) -> str:
+    """A variable's path (Keras) or name (TensorFlow)."""
+    return getattr(variable, "path", None) or variable.name
+
+
+def _checked_gradient(gradient, variable, index: int):
+    where = f"The gradient of {variable_name(variable)!r} (position {index})"
+    shape = tuple(variable.shape)
+    if is_indexed_slices(gradient):
+        tf = backend.tensorflow()
+        values = gradient.values
+        dense_shape = tf.get_static_value(gradient.dense_shape)
+        fits = len(shape) != 0 and values.shape[1:].is_compatible_with(
+            shape[1:]
+        )
+        if dense_shape is not None:
+            fits = fits and tuple(dense_shape.tolist()) == shape
+        received = (
+            "a tf.IndexedSlices with values of shape "
+            f"{shape_text(values.shape)} and dense_shape "
+            f"{shape_text(dense_shape)}"
+        )
+    else:
+        if not is_tensor(gradient):
+            try:
+                gradient = keras.ops.convert_to_tensor(gradient)
+            except Exception:
+                raise TypeError(
+                    f"{where} must be a floating tensor or None. Received: "
+                    f"{describe(gradient)}"
+                ) from None
+        values = gradient
+        fits = _shapes_compatible(gradient.shape, shape)
+        received = describe(gradient)
+    if dtype_name(values) not in FLOATING_DTYPES:
+        raise TypeError(
+            f"{where} must be floating point. Received: {describe(values)}"
+        )
+    if not fits:
+        raise ValueError(
+            f"{where} must have its variable's shape {shape_text(shape)} (a "
+            f"tf.IndexedSlices: rows of it). Received: {received}"
+        )
+    return gradient
+
+
+def _shapes_compatible(shape, expected) -> bool:
+    """Whether a (possibly partly unknown) shape can be `expected`."""
+    if backend.is_tensorflow():
+        tf = backend.tensorflow()
+        return tf.TensorShape(shape).is_compatible_with(expected)
+    shape = tuple(shape)
+    return len(shape) == len(expected) and all(
+        a is None or b is None or int(a) == int(b)
+        for a, b in zip(shape, expected)
+    )
+
+
+def largest_float32() -> float:
+    """The largest finite float32, about 3.4e38."""
+    return _FLOAT32_MAX
+
+
+def at_least_zero(value) -> bool:
+    """Whether `value` is a finite number >= 0 (false for NaN)."""
+    limit = (
+        float(np.finfo(np.float64).max)
+        if isinstance(value, numbers.Integral)
+        else math.inf
+    )
+    return 0 <= value < limit

@@ -1,0 +1,877 @@
+"""`LossScaleOptimizer`: loss scaling for `model.fit` and for custom loops.
+
+It wraps any Keras optimizer and owns a few scalar variables: Keras's
+`dynamic_scale` and `step_counter`, plus the counts of skipped steps (in all
+and in a row) and the hysteresis count. Every step it
+
+* decides whether the gradients it gets are scaled (`kmp.core.recipes`);
+* sums them across replicas, once (TensorFlow's `tf.distribute`);
+* divides them by the scale if they are scaled;
+* checks them for inf/NaN (after aggregation, so every replica decides
+  alike) and applies them with the inner optimizer only if all are finite:
+  a skipped step ends with the variables, the inner optimizer's slots and
+  `iterations` exactly as they were;
+* assigns the state `kmp.core.loss_scale.ScaleRule.next` returns (a fixed
+  scale is left as it is).
+
+How a step is applied depends on the backend: `kmp.core.tf_apply` on
+TensorFlow, a pure `stateless_apply` on JAX, and eagerly on torch.
+"""
+
+import numbers
+from typing import Iterable
+from typing import List
+from typing import Mapping
+from typing import Optional
+
+import keras
+from keras import ops
+from keras.src.backend.common.stateless_scope import in_stateless_scope
+from keras.src.saving import serialization_lib
+
+from kmp.core import backend
+from kmp.core import checks
+from kmp.core import loss_scale as rule_module
+from kmp.core import recipes as recipes_module
+from kmp.core import scaling
+from kmp.core import stateless
+from kmp.core.optimizer_state import PersistentSkipsWarning
+from kmp.core.optimizer_state import StateMixin
+
+if backend.is_tensorflow():
+    from kmp.core import tf_apply
+    from kmp.core import tf_steps
+
+_KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
+_KerasOptimizer = keras.optimizers.Optimizer
+_MAX_SKIPS = 2**31 - 1
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type: both a `TypeError` and a `ValueError`.
+
+    Raised for an `initial_scale` that is not a number and a
+    `dynamic_growth_steps` that is not an integer, which the contract
+    answers with `ValueError` and Python's convention with `TypeError`:
+    either catches it.
+
+    >>> try:
+    ...     LossScaleOptimizer(keras.optimizers.SGD(), initial_scale="8")
+    ... except ValueError as error:
+    ...     print(type(error).__name__, isinstance(error, TypeError))
+    ArgumentTypeError True
+    """
+
+
+def _check_inner(inner_optimizer):
+    if isinstance(inner_optimizer, _KerasLossScaleOptimizer):
+        raise TypeError(
+            "'inner_optimizer' must not be a LossScaleOptimizer: loss scaling "
+            "would be applied twice. Wrap the plain optimizer instead, e.g. "
+            "kmp.LossScaleOptimizer(keras.optimizers.Adam()). Received: "
+            f"inner_optimizer={inner_optimizer!r}"
+        )
+    if not isinstance(inner_optimizer, _KerasOptimizer):
+        raise TypeError(
+            "'inner_optimizer' must be a Keras optimizer instance, such as "
+            "keras.optimizers.SGD(0.01). Received: "
+            f"inner_optimizer={checks.describe(inner_optimizer)}"
+        )
+    if getattr(inner_optimizer, "loss_scale_factor", None) is not None:
+        raise ValueError(
+            "'inner_optimizer' has its own loss_scale_factor="
+            f"{inner_optimizer.loss_scale_factor!r}; the loss would be scaled "
+            "twice. Leave it unset and pass the scale here instead: "
+            "kmp.LossScaleOptimizer(inner, dynamic=False, initial_scale=...)."
+        )
+
+
+def _check_dynamic(dynamic):
+    if isinstance(dynamic, bool):
+        return
+    if isinstance(dynamic, str) or (
+        isinstance(dynamic, numbers.Real) and not isinstance(dynamic, bool)
+    ):
+        raise TypeError(
+            f"'dynamic' must be True or False. Received: dynamic={dynamic!r}. "
+            "kmp follows tf.keras's order, LossScaleOptimizer(inner, dynamic, "
+            "initial_scale, dynamic_growth_steps): pass a scale by keyword, "
+            "initial_scale=N (Keras 3's second argument), and "
+            "LossScaleOptimizer(opt, 'dynamic') or loss_scale=... from "
+            "TensorFlow 2.1-2.3 becomes LossScaleOptimizer(opt) (dynamic) or "
+            "LossScaleOptimizer(opt, dynamic=False, initial_scale=N) (fixed)."
+        )
+    raise TypeError(
+        f"'dynamic' must be True or False. Received: "
+        f"dynamic={checks.describe(dynamic)}"
+    )
+
+
+def _check_scale_settings(dynamic, initial_scale, growth_steps, knobs):
+    """The rule (None when fixed) and the initial scale, checked."""
+    if initial_scale is None:
+        if not dynamic:
+            raise ValueError(
+                "'initial_scale' is required when dynamic=False: it is the "
+                "fixed loss scale, e.g. initial_scale=128. Received: "
+                "initial_scale=None"
+            )
+        initial_scale = rule_module.DEFAULT_INITIAL_SCALE
+    elif isinstance(initial_scale, bool) or not isinstance(
+        initial_scale, numbers.Real
+    ):
+        raise ArgumentTypeError(
+            "'initial_scale' must be a number (a finite float >= 1). "
+            f"Received: initial_scale={checks.describe(initial_scale)}"
+        )
+    if not dynamic:
+        changed = [key for key, value in knobs.items() if value is not None]
+        if growth_steps is not None:
+            changed.insert(0, "dynamic_growth_steps")
+        given = dict(knobs, dynamic_growth_steps=growth_steps)
+        if changed:
+            raise ValueError(
+                f"{', '.join(repr(k) for k in changed)} apply only to a "
+                "dynamic loss scale; leave them unset with dynamic=False. "
+                "Received: "
+                + ", ".join(f"{key}={given[key]!r}" for key in changed)
+            )
+        floor = rule_module.DEFAULT_MIN_SCALE
+        if not floor <= initial_scale <= rule_module.MAX_SCALE:
+            raise ValueError(
+                "'initial_scale' must be a finite number >= 1 (and at most "
+                f"the largest float32, {rule_module.MAX_SCALE:.4g}). "
+                f"Received: initial_scale={initial_scale!r}"
+            )
+        return None, float(initial_scale)
+    if growth_steps is not None and (
+        isinstance(growth_steps, bool)
+        or not isinstance(growth_steps, numbers.Integral)
+    ):
+        raise ArgumentTypeError(
+            "'dynamic_growth_steps' must be a positive integer. Received: "
+            f"dynamic_growth_steps={checks.describe(growth_steps)}"
+        )
+    settings = {k: v for k, v in knobs.items() if v is not None}
+    if growth_steps is not None:
+        settings["growth_steps"] = growth_steps
+    rule = rule_module.ScaleRule(**settings)
+    if not rule.min_scale <= initial_scale <= rule.max_scale:
+        raise ValueError(
+            f"'initial_scale' must be a finite number >= min_scale "
+            f"({rule.min_scale:g}) and <= max_scale ({rule.max_scale:.6g}). "
+            f"Received: initial_scale={initial_scale!r}"
+        )
+    return rule, float(initial_scale)
+
+
+def _check_skip_options(max_skips, on_persistent_skips, record_nonfinite):
+    if max_skips is not None:
+        checks.checked_integer(
+            max_skips,
+            "max_consecutive_skips",
+            1,
+            _MAX_SKIPS,
+            f"a positive integer (at most {_MAX_SKIPS}) or None",
+        )
+    if on_persistent_skips not in ("warn", "raise"):
+        raise ValueError(
+            "'on_persistent_skips' must be 'warn' or 'raise'. Received: "
+            f"on_persistent_skips={on_persistent_skips!r}"
+        )
+    checks.checked_bool(record_nonfinite, "record_nonfinite")
+
+
+def check_learning_rate(value) -> None:
+    """Refuses a learning rate that is not a finite number (NaN, inf, a
+    non-floating tensor); a schedule or a callable is taken as it is."""
+    schedule = keras.optimizers.schedules.LearningRateSchedule
+    if isinstance(value, schedule) or (
+        callable(value) and not checks.is_tensor(value)
+    ):
+        return
+    if isinstance(value, bool) or not (
+        isinstance(value, numbers.Real) or checks.is_tensor(value)
+    ):
+        raise TypeError(
+            "'learning_rate' must be a number, a scalar tensor or a "
+            "keras.optimizers.schedules.LearningRateSchedule. Received: "
+            f"learning_rate={checks.describe(value)}"
+        )
+    if checks.is_tensor(value):
+        if checks.dtype_name(value) not in checks.FLOATING_DTYPES:
+            raise TypeError(
+                "'learning_rate' must be floating point. Received: "
+                f"learning_rate={checks.describe(value)}"
+            )
+        if tuple(value.shape) not in ((),):
+            raise ValueError(
+                "'learning_rate' must be a scalar. Received: "
+                f"learning_rate={checks.describe(value)}"
+            )
+        number = checks.concrete_value(value)
+        received = f"learning_rate={checks.describe(value)} of value {number}"
+    else:
+        number = value
+        received = f"learning_rate={value!r}"
+    if number is not None and not checks.is_finite_number(number):
+        raise ValueError(
+            "'learning_rate' must be a finite number that fits in float32. "
+            f"Received: {received}"
+        )
+
+
+@keras.saving.register_keras_serializable(package="kmp")
+class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
+    """Wraps a Keras optimizer and scales the loss so float16 gradients survive.
+
+    Under `mixed_float16`, small gradients underflow to zero in float16.
+    Multiplying the loss by a scale multiplies every gradient by it too;
+    dividing the gradients by it before they are applied gives back the true
+    update.
+
+    * Dynamic (default): start at `initial_scale` (2**15); after
+      `dynamic_growth_steps` (2000) finite steps in a row, multiply by
+      `growth_factor` (2); on a step with any inf/NaN gradient, skip it and
+      multiply by `backoff_factor` (0.5), never below `min_scale` (1).
+    * Fixed (`dynamic=False`): the scale is `initial_scale` forever; a step with
+      an inf/NaN gradient is still skipped.
+
+    In `model.fit` all of it happens by itself. In a custom loop, either
+    recipe (decided per optimizer, see `kmp.core.recipes`):
+
+        # tf.keras's: unscale, (transform,) apply.
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x))
+            scaled_loss = optimizer.get_scaled_loss(loss)
+        scaled_grads = tape.gradient(scaled_loss, model.trainable_variables)
+        grads = optimizer.get_unscaled_gradients(scaled_grads)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+        # Keras 3's: apply_gradients unscales.
+        ...  scaled_loss = optimizer.scale_loss(loss)
+        optimizer.apply_gradients(zip(scaled_grads, vars))
+
+    On JAX, `stateless_scale_loss` / `stateless_unscale_gradients` take the
+    optimizer's variables explicitly, for loops over `stateless_apply`.
+
+    Args:
+        inner_optimizer: The Keras optimizer to wrap (not a loss-scale one).
+        dynamic: Whether the scale adapts (True) or stays fixed (False).
+        initial_scale: The first scale, a finite number >= 1 (>= min_scale).
+            Defaults to 2**15 when dynamic; required when fixed.
+        dynamic_growth_steps: Finite steps in a row before the scale grows;
+            a positive integer, 2000 by default; must be None when fixed.
+        name: The optimizer's name.
+        growth_factor: What the scale is multiplied by when it grows, > 1.
+        backoff_factor: What it is multiplied by on a skipped step, in (0, 1).
+        min_scale: The floor (1); may be as low as 2**-24.
+        max_scale: The ceiling (the largest float32); the scale grows only
+            while it stays at or below it.
+        hysteresis: The scale backs off on the hysteresis-th skipped step
+            since it last grew, and on every one after (DeepSpeed's
+            `hysteresis`); 1 (default) backs off on each.
+        max_consecutive_skips: After this many skipped steps in a row (1000 by
+            default; None turns the check off) something is persistently
+            wrong: the optimizer warns once, naming the likely causes.
+        on_persistent_skips: `"warn"` (default) or `"raise"`, which stops
+            training with a `FloatingPointError` on every step from then on
+            (inside a `tf.function` TensorFlow raises it as a
+            `tf.errors.UnknownError` carrying that message). Under XLA no
+            Python runs in the step: `kmp.callbacks.LossScaleMonitor` (or
+            `check_persistent_skips()` in a loop) does the check instead.
+        record_nonfinite: Whether to record which variables had non-finite
+            gradients on the last skipped step (`nonfinite_variables`).
+
+    Raises:
+        TypeError: `inner_optimizer` is not a Keras optimizer, or is already a
+            loss-scale optimizer; an argument has the wrong type (for
+            `initial_scale` and `dynamic_growth_steps` an `ArgumentTypeError`,
+            which is a `ValueError` too).
+        ValueError: an argument has a wrong value, or the optimizer is created
+            under an unsupported distribution strategy (TPU, parameter servers).
+
+    Example:
+
+    >>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8)
+    >>> float(opt.loss_scale), int(opt.dynamic_counter)
+    (8.0, 0)
+    >>> float(opt.get_scaled_loss(0.5))
+    4.0
+    >>> [float(g) for g in opt.get_unscaled_gradients([4.0])]
+    [0.5]
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: _KerasOptimizer,
+        dynamic: bool = True,
+        initial_scale: Optional[float] = None,
+        dynamic_growth_steps: Optional[int] = None,
+        name: Optional[str] = None,
+        *,
+        growth_factor: Optional[float] = None,
+        backoff_factor: Optional[float] = None,
+        min_scale: Optional[float] = None,
+        max_scale: Optional[float] = None,
+        hysteresis: Optional[int] = None,
+        max_consecutive_skips: Optional[int] = 1000,
+        on_persistent_skips: str = "warn",
+        record_nonfinite: bool = False,
+        **kwargs,
+    ):
+        backend.check_supported("kmp.LossScaleOptimizer")
+        _check_keras_kwargs(kwargs)
+        _check_inner(inner_optimizer)
+        _check_dynamic(dynamic)
+        knobs = {
+            "growth_factor": growth_factor,
+            "backoff_factor": backoff_factor,
+            "min_scale": min_scale,
+            "max_scale": max_scale,
+            "hysteresis": hysteresis,
+        }
+        rule, initial_scale = _check_scale_settings(
+            dynamic, initial_scale, dynamic_growth_steps, knobs
+        )
+        _check_skip_options(
+            max_consecutive_skips, on_persistent_skips, record_nonfinite
+        )
+        if backend.is_tensorflow():
+            strategy = tf_apply.unsupported_strategy()
+            if strategy is not None:
+                raise ValueError(
+                    "kmp.LossScaleOptimizer supports the default strategy, "
+                    "MirroredStrategy, MultiWorkerMirroredStrategy and "
+                    f"OneDeviceStrategy. Received: {type(strategy).__name__}"
+                    ", under which skipped steps could not be made "
+                    "consistent. On TPUs use the 'mixed_bfloat16' policy, "
+                    "which needs no loss scaling."
+                )
+        # Keras's LossScaleOptimizer is the base class so that Keras treats
+        # this one as a loss-scale optimizer (compile does not wrap it
+        # again); its constructor mutates the inner optimizer, so it is
+        # skipped, and what it sets is set here.
+        _KerasOptimizer.__init__(self, learning_rate=0.0, name=name)
+        self._inner_optimizer = inner_optimizer
+        self._dynamic = dynamic
+        self._rule = rule
+        self._knobs = {k: v for k, v in knobs.items() if v is not None}
+        self._initial_scale = initial_scale
+        self._max_consecutive_skips = max_consecutive_skips
+        self._on_persistent_skips = on_persistent_skips
+        self._record_nonfinite = record_nonfinite
+        self._warned_persistent_skips = False
+        self._recipes = recipes_module.Recipes()
+        self.nonfinite_mask = None
+        self._create_state_variables()
+
+    # --- Properties ---------------------------------------------------------
+
+    @property
+    def inner_optimizer(self) -> _KerasOptimizer:
+        """The wrapped optimizer, which computes every update."""
+        return self._inner_optimizer
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether the loss scale adapts (True) or is fixed (False)."""
+        return self._dynamic
+
+    @property
+    def initial_scale(self) -> float:
+        """The loss scale training started with, a Python float."""
+        return self._initial_scale
+
+    @property
+    def dynamic_growth_steps(self) -> Optional[int]:
+        """Finite steps in a row before the scale grows; None when fixed."""
+        return self._rule.growth_steps if self._dynamic else None
+
+    @property
+    def rule(self) -> Optional[rule_module.ScaleRule]:
+        """The dynamic rule's settings (`ScaleRule`); None when fixed."""
+        return self._rule
+
+    @property
+    def loss_scale(self):
+        """The current loss scale, a float32 scalar tensor."""
+        return ops.convert_to_tensor(self.dynamic_scale)
+
+    @property
+    def dynamic_counter(self):
+        """Finite steps since the scale last changed; None if fixed."""
+        if not self._dynamic:
+            return None
+        return ops.convert_to_tensor(self.step_counter)
+
+    @property
+    def skipped_steps(self):
+        """How many steps were skipped for non-finite gradients."""
+        return ops.convert_to_tensor(self.skipped_steps_variable)
+
+    @property
+    def consecutive_skips(self):
+        """How many of the latest steps were skipped in a row."""
+        return ops.convert_to_tensor(self.consecutive_skips_variable)
+
+    @property
+    def nonfinite_variables(self) -> List[str]:
+        """Paths of the variables whose gradients were inf/NaN on the last
+        skipped step (empty before any skip).
+
+        Raises:
+            ValueError: the optimizer was created without
+                `record_nonfinite=True`.
+        """
+        if not self._record_nonfinite:
+            raise ValueError(
+                "nonfinite_variables is recorded only when the optimizer is "
+                "created with record_nonfinite=True."
+            )
+        if self.nonfinite_mask is None:
+            return []
+        mask = ops.convert_to_numpy(self.nonfinite_mask)
+        return [
+            v.path for v, bad in zip(self._trainable_variables, mask) if bad
+        ]
+
+    @property
+    def variables(self):
+        return self._variables + self._inner_optimizer.variables
+
+    @property
+    def iterations(self):
+        return self._inner_optimizer.iterations
+
+    @property
+    def learning_rate(self):
+        """The inner optimizer's learning rate (read and assign)."""
+        return self._inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        check_learning_rate(value)
+        self._inner_optimizer.learning_rate = value
+
+    # --- Scaling ------------------------------------------------------------
+
+    def scale_loss(self, loss):
+        """Keras 3's hook, called by `fit`: scales like `get_scaled_loss`.
+
+        The gradients of its result go to `apply_gradients` still scaled,
+        which unscales them (see `kmp.core.recipes`).
+        """
+        scaled = self._scaled(loss, self.dynamic_scale)
+        self._recipes.scale_called(recipes_module.SCALED)
+        return scaled
+
+    def get_scaled_loss(self, loss):
+        """Returns `loss` times the current scale, in `loss`'s dtype.
+
+        Then `apply_gradients` takes gradients unscaled by
+        `get_unscaled_gradients`.
+
+        Args:
+            loss: A floating scalar tensor or number, or a callable returning
+                one (then a callable is returned).
+
+        Raises:
+            TypeError: `loss` is not floating point.
+        """
+        if callable(loss) and not checks.is_tensor(loss):
+            return lambda: self.get_scaled_loss(loss())
+        scaled = self._scaled(loss, self.dynamic_scale)
+        self._recipes.scale_called(recipes_module.UNSCALED)
+        return scaled
+
+    def get_unscaled_gradients(self, grads: Iterable) -> List:
+        """Divides each gradient by the current scale, keeping its dtype.
+
+        The division happens in float32 (or float64), never in float16.
+
+        Args:
+            grads: Gradients of a scaled loss: tensors, `tf.IndexedSlices`
+                (unscaled on their values, kept sparse) or `None` (kept).
+
+        Returns:
+            A list of the unscaled gradients, in order.
+
+        Raises:
+            TypeError: `grads` is not an iterable of gradients.
+        """
+        grads = self._gradient_list(grads, "grads")
+        with backend_name_scope(self):
+            unscaled = scaling.unscale_gradients(grads, self.dynamic_scale)
+        self._recipes.unscale_called(grads, unscaled)
+        return unscaled
+
+    def stateless_scale_loss(self, optimizer_variables, loss):
+        """`scale_loss` with the scale taken from `optimizer_variables`.
+
+        For JAX loops over `stateless_apply`: pass the optimizer variables of
+        the step, so a jitted function sees the current scale.
+
+        >>> opt = LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=4)
+        >>> values = [v.value for v in opt.variables]
+        >>> float(opt.stateless_scale_loss(values, 0.5))
+        2.0
+        """
+        scaled = self._scaled(loss, self._scale_value(optimizer_variables))
+        self._recipes.scale_called(recipes_module.SCALED)
+        return scaled
+
+    def stateless_unscale_gradients(self, optimizer_variables, grads):
+        """`get_unscaled_gradients` with the scale from the variables given.
+
+        `stateless_apply` applies its results as they are.
+        """
+        grads = self._gradient_list(grads, "grads")
+        scale = self._scale_value(optimizer_variables)
+        unscaled = scaling.unscale_gradients(grads, scale)
+        self._recipes.unscale_called(grads, unscaled)
+        return unscaled
+
+    def _scale_value(self, optimizer_variables):
+        optimizer_variables = list(optimizer_variables)
+        if len(optimizer_variables) != len(self.variables):
+            raise ValueError(
+                "'optimizer_variables' must hold one value per variable of "
+                f"optimizer.variables ({len(self.variables)}). Received "
+                f"{len(optimizer_variables)} values."
+            )
+        index = next(
+            i for i, v in enumerate(self.variables) if v is self.dynamic_scale
+        )
+        return optimizer_variables[index]
+
+    def _scaled(self, loss, scale):
+        if isinstance(loss, bool) or not (
+            isinstance(loss, numbers.Real) or checks.is_tensor(loss)
+        ):
+            raise TypeError(
+                "'loss' must be a floating tensor or number. Received: "
+                f"loss={checks.describe(loss)}"
+            )
+        if isinstance(loss, numbers.Real):
+            if not checks.is_finite_number(loss):
+                raise ValueError(
+                    "'loss' must fit in float32 (at most about 3.4e38 in "
+                    f"magnitude). Received: loss={loss!r}"
+                )
+            loss = ops.convert_to_tensor(loss, "float32")
+        if checks.dtype_name(loss) not in checks.FLOATING_DTYPES:
+            raise TypeError(
+                "'loss' must be floating point. Received: "
+                f"loss={checks.describe(loss)}"
+            )
+        return scaling.scale_tensor(loss, scale, divide=False)
+
+    @staticmethod
+    def _gradient_list(grads, argument) -> List:
+        if (
+            checks.is_tensor(grads)
+            or checks.is_indexed_slices(grads)
+            or isinstance(grads, (str, bytes, Mapping))
+            or not isinstance(grads, Iterable)
+        ):
+            raise TypeError(
+                f"'{argument}' must be a list of gradients (tensors, "
+                "IndexedSlices or None), such as tape.gradient(...)'s "
+                f"result. Received: {argument}={checks.describe(grads)}"
+            )
+        grads = list(grads)
+        for index, gradient in enumerate(grads):
+            if gradient is None or checks.is_indexed_slices(gradient):
+                continue
+            if not checks.is_tensor(gradient):
+                try:
+                    gradient = ops.convert_to_tensor(gradient)
+                except Exception:
+                    raise TypeError(
+                        f"'{argument}[{index}]' must be a floating tensor or "
+                        f"None. Received: {checks.describe(gradient)}"
+                    ) from None
+            if checks.dtype_name(gradient) not in checks.FLOATING_DTYPES:
+                raise TypeError(
+                    f"'{argument}[{index}]' must be floating point. "
+                    f"Received: {checks.describe(gradient)}"
+                )
+            grads[index] = gradient
+        return grads
+
+    def check_finite(self, grads):
+        """A bool scalar tensor: whether no gradient has an inf or a NaN."""
+        return scaling.all_finite(grads)
+
+    # --- Applying -----------------------------------------------------------
+
+    def build(self, var_list):
+        self._inner_optimizer.build(var_list)
+        _KerasOptimizer.build(self, var_list)
+        if self._record_nonfinite and self.nonfinite_mask is None:
+            with backend_name_scope(self):
+                self.nonfinite_mask = self.add_variable(
+                    shape=(len(self._trainable_variables),),
+                    initializer="zeros",
+                    dtype="bool",
+                    aggregation="only_first_replica",
+                    name="nonfinite_mask",
+                )
+
+    def apply_gradients(self, grads_and_vars):
+        """Applies `(gradient, variable)` pairs; returns `iterations`.
+
+        Raises:
+            TypeError, ValueError: see `apply`; also for pairs that are not
+                pairs, and for no pairs at all (an exhausted `zip`).
+        """
+        if isinstance(grads_and_vars, (str, bytes, Mapping)) or not (
+            isinstance(grads_and_vars, Iterable)
+        ):
+            raise TypeError(
+                "'grads_and_vars' must be (gradient, variable) pairs, such as "
+                "zip(grads, model.trainable_variables). Received: "
+                f"grads_and_vars={checks.describe(grads_and_vars)}"
+            )
+        pairs = list(grads_and_vars)
+        if not pairs:
+            raise ValueError(
+                "'grads_and_vars' holds no (gradient, variable) pairs. A zip "
+                "can be iterated only once: was it used already? Pass "
+                "zip(grads, model.trainable_variables) anew at every step."
+            )
+        for index, pair in enumerate(pairs):
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise TypeError(
+                    "'grads_and_vars' must be (gradient, variable) pairs, "
+                    "such as zip(grads, model.trainable_variables). Received "
+                    f"at position {index}: {checks.describe(pair)}"
+                )
+        self.apply([g for g, _ in pairs], [v for _, v in pairs])
+        return self.iterations
+
+    def apply(self, grads, trainable_variables=None):
+        """Applies one step; see the class docstring.
+
+        Raises:
+            TypeError: a variable is not a variable, or a gradient is not a
+                floating tensor, `tf.IndexedSlices` or None.
+            ValueError: the counts of gradients and variables differ, a
+                gradient's shape is not its variable's, or the recipe is
+                ambiguous (see `kmp.core.recipes`).
+        """
+        grads = list(grads)
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "apply() without 'trainable_variables' needs a built "
+                    "optimizer: call "
+                    "optimizer.build(model.trainable_variables) first, or "
+                    "pass the variables."
+                )
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        grads = checks.checked_gradients(grads, trainable_variables)
+        if not grads:
+            return  # As Keras: no gradients, no step.
+        if backend.is_tensorflow():
+            tf = backend.tensorflow()
+            if tf.distribute.has_strategy() and (
+                tf.distribute.in_cross_replica_context()
+            ):
+                raise ValueError(
+                    "apply_gradients() must be called in a replica context, "
+                    "inside strategy.run(...), not directly under "
+                    "strategy.scope()."
+                )
+        if not self.built:
+            with backend_name_scope(self):
+                self.build(trainable_variables)
+            self.built = True
+        scaled = self._recipes.grads_are_scaled(grads)
+        grads = self._raw_overwrite_gradients(grads, trainable_variables)
+        with backend_name_scope(self):
+            if backend.is_tensorflow():
+                tf_steps.apply(self, grads, trainable_variables, scaled)
+            elif backend.is_jax():
+                self._apply_through_stateless(
+                    grads, trainable_variables, scaled
+                )
+            else:
+                self._apply_eagerly(grads, trainable_variables, scaled)
+
+    def _raw_overwrite_gradients(self, grads, variables):
+        """For variables Keras overwrites with their "gradient" (float8
+        scales and amax histories), what `get_unscaled_gradients` was given,
+        not its quotient: they are values, not scaled gradients."""
+        return [
+            self._recipes.unscaled_input(g)
+            if g is not None
+            and self._overwrite_variable_with_gradient(v)
+            and self._recipes.unscaled_input(g) is not None
+            else g
+            for g, v in zip(grads, variables)
+        ]
+
+    def prepare_gradients(self, grads, variables, scaled):
+        """Unscaled gradients and the step's finite flags.
+
+        Returns `(grads, finite, apply_ok, finite_per_gradient)`: whether the
+        gradients are finite (what the rule sees) and whether the step is
+        applied (also needs a finite learning rate).
+        """
+        if scaled:
+            keep = {
+                i
+                for i, v in enumerate(variables)
+                if self._overwrite_variable_with_gradient(v)
+            }
+            grads = scaling.unscale_gradients(grads, self.dynamic_scale, keep)
+        if self._record_nonfinite:
+            per_gradient = scaling.finite_per_gradient(grads)
+            finite = ops.all(ops.stack(per_gradient))
+        else:
+            per_gradient = None
+            finite = scaling.all_finite(grads)
+        rate = self._inner_optimizer.learning_rate
+        apply_ok = ops.logical_and(
+            finite, ops.all(ops.isfinite(ops.cast(rate, "float32")))
+        )
+        return grads, finite, apply_ok, per_gradient
+
+    def _apply_eagerly(self, grads, variables, scaled):
+        grads, finite, apply_ok, per_gradient = self.prepare_gradients(
+            grads, variables, scaled
+        )
+        if bool(ops.convert_to_numpy(apply_ok)):
+            self._inner_optimizer.apply(grads, variables)
+        self.update_state(finite, apply_ok, per_gradient, variables)
+        self.report_persistent_skips_now()
+
+    def _apply_through_stateless(self, grads, variables, scaled):
+        if in_stateless_scope():
+            raise RuntimeError(
+                "On JAX, call stateless_apply(optimizer_variables, grads, "
+                "trainable_variables) inside a stateless function, not apply."
+            )
+        optimizer_values = [v.value for v in self.variables]
+        trained = list(self._trainable_variables)
+        positions = {id(v): i for i, v in enumerate(trained)}
+        all_grads = [None] * len(trained)
+        for gradient, variable in zip(grads, variables):
+            all_grads[positions[id(variable)]] = gradient
+        new_trained, new_optimizer = stateless.apply(
+            self,
+            optimizer_values,
+            all_grads,
+            [v.value for v in trained],
+            scaled,
+            report=False,
+        )
+        for variable, value in zip(trained, new_trained):
+            variable.assign(value)
+        for variable, value in zip(self.variables, new_optimizer):
+            variable.assign(value)
+        self.report_persistent_skips_now()
+
+    def stateless_apply(
+        self, optimizer_variables, grads, trainable_variables, *, scaled=None
+    ):
+        """Keras's `stateless_apply`, with kmp's skip and scale rule.
+
+        Args:
+            optimizer_variables: Values of `optimizer.variables`.
+            grads: One gradient (or None) per variable the optimizer was
+                built with.
+            trainable_variables: Values of those variables.
+            scaled: Whether `grads` are scaled; None decides from what was
+                called on this optimizer (see `kmp.core.recipes`).
+
+        Returns:
+            `(new trainable variable values, new optimizer variable values)`.
+        """
+        return stateless.apply(
+            self, optimizer_variables, grads, trainable_variables, scaled
+        )
+
+    def finalize_variable_values(self, var_list):
+        self._inner_optimizer.finalize_variable_values(var_list)
+
+    # --- Serialization ------------------------------------------------------
+
+    def get_config(self) -> dict:
+        config = {
+            "name": self.name,
+            "inner_optimizer": serialization_lib.serialize_keras_object(
+                self._inner_optimizer
+            ),
+            "dynamic": self._dynamic,
+            "initial_scale": self._initial_scale,
+            "dynamic_growth_steps": self.dynamic_growth_steps,
+            "max_consecutive_skips": self._max_consecutive_skips,
+            "on_persistent_skips": self._on_persistent_skips,
+            "record_nonfinite": self._record_nonfinite,
+        }
+        config.update(self._knobs)
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects=None):
+        """Creates the optimizer from `get_config()`'s output."""
+        if not isinstance(config, Mapping) or "inner_optimizer" not in config:
+            raise ValueError(
+                "'config' must be a dict with at least the key "
+                "'inner_optimizer', as returned by get_config(). Received: "
+                f"config={checks.describe(config)}"
+            )
+        config = dict(config)
+        inner = serialization_lib.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        return cls(inner, **config)
+
+
+def _check_keras_kwargs(kwargs):
+    """Accepts what Keras's own LossScaleOptimizer config may hold.
+
+    Keras's `LossScaleOptimizer` allows the base optimizer's arguments at
+    their defaults, for configs saved by older Keras releases.
+    """
+    defaults = {
+        "weight_decay": None,
+        "clipnorm": None,
+        "global_clipnorm": None,
+        "clipvalue": None,
+        "use_ema": False,
+        "ema_momentum": 0.99,
+        "ema_overwrite_frequency": None,
+        "loss_scale_factor": None,
+        "gradient_accumulation_steps": None,
+    }
+    if "loss_scale" in kwargs:
+        raise TypeError(
+            "LossScaleOptimizer(opt, loss_scale=...) is TensorFlow "
+            "2.1-2.3's API. Use kmp.LossScaleOptimizer(opt) for a dynamic "
+            "scale or kmp.LossScaleOptimizer(opt, dynamic=False, "
+            "initial_scale=N) for a fixed one (or import the old names from "
+            "kmp.mixed_precision.experimental, which translates them)."
+        )
+    for key, value in kwargs.items():
+        if key not in defaults:
+            raise TypeError(
+                f"LossScaleOptimizer got an unexpected argument {key!r}. "
+                f"Received: {key}={value!r}"
+            )
+        if value != defaults[key]:
+            raise ValueError(
+                f"LossScaleOptimizer does not take {key!r}; set it on the "
+                f"inner optimizer instead. Received: {key}={value!r}"
+            )
+
+
+def backend_name_scope(optimizer):
+    return keras.name_scope(optimizer.name, caller=optimizer)
+
+
+__all__ = ["ArgumentTypeError", "LossScaleOptimizer", "PersistentSkipsWarning"]

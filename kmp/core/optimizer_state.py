@@ -1,0 +1,289 @@
+"""The state a `LossScaleOptimizer` keeps: its variables, their update after
+a step, the persistent-skips report, and saving and restoring them.
+
+The variables are Keras's own `LossScaleOptimizer` ones (`iteration`,
+`learning_rate`, `step_counter`, `dynamic_scale`, in that order) followed by
+kmp's (`skipped_steps`, `consecutive_skips`, `hysteresis_left`; and
+`nonfinite_mask` after `build` with `record_nonfinite=True`). Everything
+restored (a `.keras` file, a `tf.train.Checkpoint`) is checked before any of
+it is assigned: a scale that is not finite, outside [min_scale, max_scale],
+or not the fixed scale of a fixed optimizer raises `ValueError`, and the
+optimizer stays as it was.
+
+An optimizer that `model.compile` made by itself (`keras_file_layout`)
+writes only Keras's variables and the inner optimizer's to `.keras` files,
+so that Keras without kmp loads them, scale included.
+"""
+
+import warnings
+
+import keras
+import numpy as np
+from keras import initializers
+from keras import ops
+
+from kmp.core import backend
+
+
+class PersistentSkipsWarning(RuntimeWarning):
+    """Many steps in a row were skipped: training is not progressing."""
+
+
+class StateMixin:
+    """The state half of `LossScaleOptimizer` (see the module docstring)."""
+
+    keras_file_layout = False
+
+    def _create_state_variables(self):
+        hysteresis = 1 if self._rule is None else self._rule.hysteresis
+        with _name_scope(self):
+            self.step_counter = self._state_variable("step_counter", "int", 0)
+            self.dynamic_scale = self._state_variable(
+                "dynamic_scale", "float32", self._initial_scale
+            )
+            self.skipped_steps_variable = self._state_variable(
+                "skipped_steps", "int", 0
+            )
+            self.consecutive_skips_variable = self._state_variable(
+                "consecutive_skips", "int", 0
+            )
+            self.hysteresis_left = self._state_variable(
+                "hysteresis_left", "int", hysteresis
+            )
+
+    def _state_variable(self, name, dtype, value):
+        # Every replica computes the same value; the first one's is kept.
+        return self.add_variable(
+            shape=(),
+            initializer=initializers.Constant(value),
+            dtype=dtype,
+            aggregation="only_first_replica",
+            name=name,
+        )
+
+    def _keras_variables(self):
+        """Keras's own four, which its LossScaleOptimizer saves."""
+        return [v for v in self._variables[:4]]
+
+    # --- After a step -------------------------------------------------------
+
+    def update_state(self, finite, apply_ok, per_gradient, variables):
+        """Assigns the counters, the mask and the rule's new scale.
+
+        Works on variables and, inside a Keras `StatelessScope`, on the
+        values it maps them to. Returns the new count of skips in a row.
+        """
+        count_dtype = self.consecutive_skips_variable.dtype
+        skipped = ops.cast(ops.logical_not(apply_ok), count_dtype)
+        self.skipped_steps_variable.assign(
+            self.skipped_steps_variable + skipped
+        )
+        in_a_row = (self.consecutive_skips_variable + skipped) * skipped
+        self.consecutive_skips_variable.assign(in_a_row)
+        if per_gradient is not None and self.nonfinite_mask is not None:
+            position = {id(v): i for i, v in enumerate(variables)}
+            bad = [
+                ops.logical_not(per_gradient[position[id(v)]])
+                if id(v) in position
+                else ops.convert_to_tensor(False)
+                for v in self._trainable_variables
+            ]
+            self.nonfinite_mask.assign(
+                ops.where(apply_ok, self.nonfinite_mask, ops.stack(bad))
+            )
+        if self._dynamic:
+            scale, counter, hysteresis = self._rule.next(
+                (self.dynamic_scale, self.step_counter, self.hysteresis_left),
+                finite,
+            )
+            self.dynamic_scale.assign(scale)
+            self.step_counter.assign(ops.cast(counter, self.step_counter.dtype))
+            self.hysteresis_left.assign(
+                ops.cast(hysteresis, self.hysteresis_left.dtype)
+            )
+        return in_a_row
+
+    # --- Persistent skips ---------------------------------------------------
+
+    def persistent_skips_message(self, in_a_row, scale) -> str:
+        if self._dynamic:
+            cause = (
+                "Likely causes: a layer overflows in its forward pass "
+                "(float16 activations above 65504) - find it with "
+                "kmp.audit(model, x, y) and keep it in float32 with "
+                "dtype='float32'; the loss or the final softmax is computed "
+                "in float16 - give the last layer dtype='float32'; or the "
+                "model produces inf/NaN in float32 too (data, learning rate)."
+            )
+        else:
+            cause = (
+                f"The scale is fixed at {float(scale):g}: most likely it is "
+                "too large for this model, so every scaled gradient "
+                "overflows. Lower initial_scale, or use a dynamic scale "
+                "(dynamic=True). Otherwise the model produces inf/NaN by "
+                "itself (a float16 layer overflowing: kmp.audit finds it)."
+            )
+        return (
+            f"kmp.LossScaleOptimizer skipped the last {int(in_a_row)} steps "
+            "in a row: every one had inf or NaN gradients (or a non-finite "
+            f"learning rate), and the loss scale is now {float(scale):g}. "
+            + cause
+        )
+
+    def report_persistent_skips(self, in_a_row, scale) -> None:
+        """Warns once, or raises, if `in_a_row` reached the limit."""
+        limit = self._max_consecutive_skips
+        if limit is None or int(in_a_row) < limit:
+            return
+        message = self.persistent_skips_message(in_a_row, scale)
+        if self._on_persistent_skips == "raise":
+            raise FloatingPointError(message)
+        if not self._warned_persistent_skips:
+            self._warned_persistent_skips = True
+            warnings.warn(
+                message + " Pass on_persistent_skips='raise' to stop instead.",
+                PersistentSkipsWarning,
+                stacklevel=2,
+            )
+
+    def report_persistent_skips_now(self) -> None:
+        """`report_persistent_skips` on the variables' values (eagerly)."""
+        if self._max_consecutive_skips is None:
+            return
+        self.report_persistent_skips(
+            ops.convert_to_numpy(self.consecutive_skips_variable),
+            ops.convert_to_numpy(self.dynamic_scale),
+        )
+
+    def check_persistent_skips(self) -> None:
+        """Warns or raises now if too many steps in a row were skipped.
+
+        For loops whose step runs under XLA (`jit_compile=True`), where no
+        Python runs inside the step; `fit` does this through
+        `kmp.callbacks.LossScaleMonitor`.
+
+        Raises:
+            FloatingPointError: with `on_persistent_skips="raise"`.
+        """
+        self.report_persistent_skips_now()
+
+    # --- Saving and restoring -----------------------------------------------
+
+    def _file_variables(self):
+        if self.keras_file_layout:
+            return self._keras_variables() + self._inner_optimizer.variables
+        return self.variables
+
+    def save_own_variables(self, store):
+        for index, variable in enumerate(self._file_variables()):
+            store[str(index)] = ops.convert_to_numpy(variable)
+
+    def load_own_variables(self, store):
+        variables = self._file_variables()
+        if len(store.keys()) != len(variables):
+            warnings.warn(
+                f"Skipping variable loading for optimizer '{self.name}', "
+                f"because it has {len(variables)} variables whereas the "
+                f"saved optimizer has {len(store.keys())} variables.",
+                stacklevel=2,
+            )
+            return
+        values = [np.asarray(store[str(i)]) for i in range(len(variables))]
+        by_variable = {id(v): value for v, value in zip(variables, values)}
+        self.check_restored_state(
+            {
+                name: by_variable[id(variable)]
+                for name, variable in self.state_variables().items()
+                if id(variable) in by_variable
+            },
+            "the .keras file",
+        )
+        for variable, value in zip(variables, values):
+            variable.assign(value)
+
+    def state_variables(self) -> dict:
+        """The loss-scale state by name, as saved in checkpoints."""
+        return {
+            "scale": self.dynamic_scale,
+            "counter": self.step_counter,
+            "skipped_steps": self.skipped_steps_variable,
+            "consecutive_skips": self.consecutive_skips_variable,
+            "hysteresis_left": self.hysteresis_left,
+        }
+
+    def check_restored_state(self, values: dict, source: str) -> None:
+        """Raises ValueError if restored `values` break an invariant.
+
+        Args:
+            values: name -> NumPy value, for the names of `state_variables`
+                present in what is restored.
+            source: Where they come from, for the message.
+        """
+        where = f"The loss-scale state restored from {source}"
+        if "scale" in values:
+            scale = float(values["scale"])
+            if self._dynamic:
+                low, high = self._rule.min_scale, self._rule.max_scale
+                if not low <= scale <= high:
+                    raise ValueError(
+                        f"{where} has a scale of {scale!r}; it must be a "
+                        f"finite number in [min_scale, max_scale] = [{low:g}, "
+                        f"{high:.6g}]. Nothing was restored."
+                    )
+            elif scale != self._initial_scale:
+                raise ValueError(
+                    f"{where} has a scale of {scale!r}, but this optimizer's "
+                    f"scale is fixed at {self._initial_scale:g} "
+                    "(dynamic=False): restoring would silently replace it. "
+                    "Create the optimizer as the saved one was (dynamic=True "
+                    "for a dynamic scale), or restore into a fresh one. "
+                    "Nothing was restored."
+                )
+        limits = {
+            "counter": (
+                self._rule.growth_steps - 1 if self._dynamic else 0,
+                "a count of finite steps below dynamic_growth_steps",
+            ),
+            "skipped_steps": (None, "a count >= 0"),
+            "consecutive_skips": (None, "a count >= 0"),
+            "hysteresis_left": (
+                self._rule.hysteresis if self._dynamic else 1,
+                "a count in [1, hysteresis]",
+            ),
+        }
+        for name, (high, allowed) in limits.items():
+            if name not in values:
+                continue
+            value = values[name]
+            low = 1 if name == "hysteresis_left" else 0
+            number = int(value) if np.isfinite(value) else None
+            if (
+                number is None
+                or number < low
+                or (high is not None and number > high)
+            ):
+                raise ValueError(
+                    f"{where} has {name}={value!r}; it must be {allowed}. "
+                    "Nothing was restored."
+                )
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        # In a tf.train.Checkpoint this optimizer looks like its inner one
+        # plus the loss-scale state, so checkpoints carry over between a
+        # plain and a loss-scale optimizer, both ways.
+        children = dict(
+            self._inner_optimizer._trackable_children(save_type, **kwargs)
+        )
+        if backend.is_tensorflow():
+            from kmp.core import tf_checkpoint
+
+            state = self.__dict__.get("_checkpoint_state")
+            if state is None:
+                state = tf_checkpoint.LossScaleState(self)
+                object.__setattr__(self, "_checkpoint_state", state)
+            children["loss_scale_state"] = state
+        return children
+
+
+def _name_scope(optimizer):
+    return keras.name_scope(optimizer.name, caller=optimizer)

@@ -1,0 +1,123 @@
+"""Which loss-scaling recipe the gradients reaching `apply_gradients` follow.
+
+A `LossScaleOptimizer` serves two recipes, and decides between them per
+optimizer (and per thread: every `tf.distribute` replica runs in its own)
+from what was called on *that* optimizer:
+
+- `scale_loss(loss)` (Keras 3's recipe, which `fit` uses): the gradients
+  passed to `apply_gradients` are scaled; it unscales them.
+- `get_scaled_loss(loss)` (`tf.keras`'s recipe): they were unscaled by
+  `get_unscaled_gradients`; it applies them as they are.
+- Neither: unscaled, the custom-loop contract.
+
+`get_unscaled_gradients` may also be called only to look at the gradients:
+after `scale_loss`, what reaches `apply_gradients` is still taken as scaled,
+unless it is exactly what `get_unscaled_gradients` returned (the same
+tensors). Anything else there after both calls is ambiguous and refused.
+The decision is made in Python, when a step runs eagerly or is traced, so
+it costs nothing per step.
+"""
+
+import threading
+import weakref
+from typing import List
+from typing import Optional
+
+SCALED = "scaled"
+UNSCALED = "unscaled"
+
+
+def _reference(value):
+    """A weak reference to `value` where it allows one, else `value`."""
+    try:
+        return weakref.ref(value)
+    except TypeError:  # A JAX tracer, say: kept only while tracing.
+        return lambda value=value: value
+
+
+class _ThreadState:
+    def __init__(self):
+        self.recipe: Optional[str] = None
+        # id -> (reference to an unscaled output, reference to its input)
+        self.outputs = {}
+        self.inputs = {}
+
+
+class Recipes:
+    """The recipe bookkeeping of one optimizer."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def _state(self) -> _ThreadState:
+        state = getattr(self._local, "state", None)
+        if state is None:
+            state = self._local.state = _ThreadState()
+        return state
+
+    @property
+    def recipe(self) -> Optional[str]:
+        """The recipe of the latest scale call in this thread, or None."""
+        return self._state().recipe
+
+    def scale_called(self, recipe: str) -> None:
+        """`scale_loss` (SCALED) or `get_scaled_loss` (UNSCALED) was called."""
+        state = self._state()
+        state.recipe = recipe
+        state.outputs = {}
+        state.inputs = {}
+
+    def unscale_called(self, inputs: List, outputs: List) -> None:
+        """`get_unscaled_gradients` turned `inputs` into `outputs`."""
+        state = self._state()
+        state.outputs = {}
+        state.inputs = {}
+        for given, made in zip(inputs, outputs):
+            if made is None:
+                continue
+            state.outputs[id(made)] = (_reference(made), _reference(given))
+            state.inputs[id(given)] = _reference(given)
+
+    def unscaled_input(self, gradient):
+        """What `get_unscaled_gradients` was given for `gradient`, if it
+        returned `gradient`; else None."""
+        entry = self._state().outputs.get(id(gradient))
+        if entry is not None and entry[0]() is gradient:
+            return entry[1]()
+        return None
+
+    def grads_are_scaled(self, grads: List) -> bool:
+        """Whether `apply_gradients` must unscale `grads`; see above.
+
+        Raises:
+            ValueError: after `scale_loss` and `get_unscaled_gradients`,
+                `grads` are neither what `get_unscaled_gradients` was given
+                nor what it returned.
+        """
+        state = self._state()
+        present = [g for g in grads if g is not None]
+        outputs = [self.unscaled_input(g) is not None for g in present]
+        if present and all(outputs):
+            return False
+        if state.recipe != SCALED:
+            return False
+        if not state.outputs:
+            return True
+        inputs = [
+            id(g) in state.inputs and state.inputs[id(g)]() is g
+            for g in present
+        ]
+        if all(inputs) and not any(outputs):
+            return True
+        raise ValueError(
+            "Cannot tell whether the gradients passed to apply_gradients are "
+            "scaled: this optimizer's scale_loss() was called (the Keras 3 "
+            "recipe: apply_gradients gets the gradients of the scaled loss "
+            "and unscales them), then get_unscaled_gradients(), but "
+            "apply_gradients got neither the gradients given to "
+            "get_unscaled_gradients nor the ones it returned (transformed "
+            "ones, such as clipped, or a mix). For the tf.keras recipe "
+            "(unscale, transform, apply), call get_scaled_loss() instead of "
+            "scale_loss(); for the Keras 3 recipe, pass the gradients of the "
+            "scaled loss to apply_gradients unchanged."
+        )

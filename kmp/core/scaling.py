@@ -1,0 +1,135 @@
+"""The tensor math of loss scaling, on any Keras backend.
+
+Scaling and unscaling happen in float32 (or float64), never in float16:
+1 / 2**25 is 0 in float16, and a float16 loss times 2**16 is inf. Results
+keep the dtype of what was scaled. The finite check is exact: a step is
+skipped only for an inf or NaN element, never for finite values whose sum
+overflows.
+
+>>> import numpy as np
+>>> bool(all_finite([np.float32([3e38, 3e38])]))
+True
+>>> bool(all_finite([np.float32([1.0, np.nan]), None]))
+False
+"""
+
+from typing import Iterable
+from typing import List
+
+from keras import ops
+
+from kmp.core import backend
+from kmp.core import checks
+
+
+def _values(gradient):
+    """A gradient's dense values (a `tf.IndexedSlices`' values)."""
+    return gradient.values if checks.is_indexed_slices(gradient) else gradient
+
+
+def scale_tensor(tensor, scale, divide: bool):
+    """`tensor * scale` or `tensor / scale`, in float32 or wider.
+
+    The result keeps `tensor`'s dtype.
+    """
+    dtype = checks.dtype_name(tensor)
+    if dtype in checks.LOW_PRECISION_DTYPES:
+        wide = ops.cast(tensor, "float32")
+        scale = ops.cast(scale, "float32")
+        wide = ops.divide(wide, scale) if divide else ops.multiply(wide, scale)
+        return ops.cast(wide, dtype)
+    scale = ops.cast(scale, dtype)
+    return ops.divide(tensor, scale) if divide else ops.multiply(tensor, scale)
+
+
+def unscale_gradients(gradients: Iterable, scale, keep=()) -> List:
+    """Divides every gradient by `scale` (None stays None; `keep` indices too).
+
+    One op per gradient, which runs as soon as that gradient is computed,
+    alongside the rest of the backward pass. Sparse gradients are divided on
+    their values and stay sparse.
+    """
+    unscaled = []
+    for index, gradient in enumerate(gradients):
+        if gradient is None or index in keep:
+            unscaled.append(gradient)
+        elif checks.is_indexed_slices(gradient):
+            tf = _tf()
+            values = scale_tensor(gradient.values, scale, divide=True)
+            unscaled.append(
+                tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+            )
+        else:
+            unscaled.append(scale_tensor(gradient, scale, divide=True))
+    return unscaled
+
+
+def _tf():
+    return backend.tensorflow()
+
+
+def _quick_sum(gradients) -> object:
+    """The sum of all elements (low precision in float32), as float32.
+
+    Gradients of one shape and dtype are added elementwise first: a few ops
+    per shape rather than one per gradient, which matters for models of
+    hundreds of small variables. Any inf or NaN makes it non-finite; so may
+    finite values whose sum overflows, which the exact check then clears.
+    """
+    groups = {}
+    sums = []
+    for gradient in gradients:
+        dtype = checks.dtype_name(gradient)
+        shape = tuple(gradient.shape)
+        if dtype in checks.LOW_PRECISION_DTYPES:
+            sums.append(ops.sum(ops.cast(gradient, "float32")))
+        elif None in shape:
+            sums.append(ops.cast(ops.sum(gradient), "float32"))
+        else:
+            groups.setdefault((shape, dtype), []).append(gradient)
+    for group in groups.values():
+        total = group[0] if len(group) == 1 else _add_n(group)
+        sums.append(ops.cast(ops.sum(total), "float32"))
+    return sums[0] if len(sums) == 1 else _add_n(sums)
+
+
+def _add_n(tensors):
+    if backend.is_tensorflow():
+        return backend.tensorflow().add_n(tensors)
+    total = tensors[0]
+    for tensor in tensors[1:]:
+        total = ops.add(total, tensor)
+    return total
+
+
+def _exact_all_finite(gradients):
+    flags = [ops.all(ops.isfinite(g)) for g in gradients]
+    return ops.all(ops.stack(flags))
+
+
+def all_finite(gradients: Iterable):
+    """A bool scalar tensor: whether no gradient holds an inf or a NaN.
+
+    A quick sum over everything decides when it is finite (as it is on
+    almost every step); only when it is not does the elementwise check run,
+    which tells an inf or NaN from finite values whose sum overflowed.
+    """
+    present = [_values(g) for g in gradients if g is not None]
+    if not present:
+        return ops.convert_to_tensor(True)
+    quick = ops.isfinite(_quick_sum(present))
+    return ops.cond(
+        quick,
+        lambda: ops.convert_to_tensor(True),
+        lambda: _exact_all_finite(present),
+    )
+
+
+def finite_per_gradient(gradients: Iterable) -> List:
+    """A bool scalar tensor per gradient: whether it is free of inf/NaN."""
+    return [
+        ops.convert_to_tensor(True)
+        if g is None
+        else ops.all(ops.isfinite(_values(g)))
+        for g in gradients
+    ]

@@ -1,0 +1,109 @@
+"""`LossScaleOptimizer.stateless_apply`: one step as a pure function.
+
+Keras's JAX trainer (and a JAX loop over `stateless_call`) passes the
+values of the optimizer's and the model's variables and gets new values
+back. Here the inner optimizer's `stateless_apply` runs in one branch of a
+cond on the finite check, and the other branch returns the values it was
+given, so a skipped step leaves weights, slots and `iterations` exactly as
+they were; then the loss-scale state is updated by the same code as the
+stateful step, inside a Keras `StatelessScope`.
+"""
+
+from keras import ops
+from keras.src.backend.common.stateless_scope import StatelessScope
+
+from kmp.core import backend
+
+
+def apply(
+    optimizer,
+    optimizer_variables,
+    grads,
+    trainable_variables,
+    scaled,
+    report=True,
+):
+    """See `LossScaleOptimizer.stateless_apply`; `report=False` leaves the
+    persistent-skips report to the caller."""
+    if not optimizer.built:
+        raise ValueError(
+            "To call stateless_apply, the optimizer must be built (its "
+            "variables created): call optimizer.build(trainable_variables) "
+            "first."
+        )
+    optimizer_variables = list(optimizer_variables)
+    trainable_variables = list(trainable_variables)
+    grads = list(grads)
+    variables = list(optimizer._trainable_variables)
+    if len(optimizer_variables) != len(optimizer.variables):
+        raise ValueError(
+            "'optimizer_variables' must hold one value per variable of "
+            f"optimizer.variables ({len(optimizer.variables)}). Received "
+            f"{len(optimizer_variables)} values."
+        )
+    if not len(trainable_variables) == len(grads) == len(variables):
+        raise ValueError(
+            "'grads' and 'trainable_variables' must hold one entry per "
+            f"variable the optimizer was built with ({len(variables)}). "
+            f"Received {len(grads)} gradients and "
+            f"{len(trainable_variables)} values."
+        )
+    if scaled is None:
+        scaled = optimizer._recipes.grads_are_scaled(grads)
+    grads = optimizer._raw_overwrite_gradients(grads, variables)
+    own_count = len(optimizer._variables)
+    inner_values = optimizer_variables[own_count:]
+    mapping = list(zip(optimizer.variables, optimizer_variables))
+    mapping += list(zip(variables, trainable_variables))
+
+    with StatelessScope(state_mapping=mapping):
+        grads, finite, apply_ok, per_gradient = optimizer.prepare_gradients(
+            grads, variables, scaled
+        )
+
+    inner = optimizer.inner_optimizer
+
+    def applied():
+        new_trainable, new_inner = inner.stateless_apply(
+            inner_values, grads, trainable_variables
+        )
+        return list(new_trainable), list(new_inner)
+
+    def skipped():
+        return list(trainable_variables), list(inner_values)
+
+    new_trainable, new_inner = ops.cond(apply_ok, applied, skipped)
+
+    with StatelessScope(state_mapping=mapping) as scope:
+        in_a_row = optimizer.update_state(
+            finite, apply_ok, per_gradient, variables
+        )
+        new_own = [scope.get_current_value(v) for v in optimizer._variables]
+        scale = scope.get_current_value(optimizer.dynamic_scale)
+    if report:
+        _report(optimizer, in_a_row, scale)
+    return new_trainable, new_own + new_inner
+
+
+def _report(optimizer, in_a_row, scale):
+    """The persistent-skips report, now or (in a JAX trace) from the host."""
+    limit = optimizer._max_consecutive_skips
+    if limit is None:
+        return
+    if backend.is_jax():
+        import jax
+
+        if isinstance(in_a_row, jax.core.Tracer):
+
+            def host_report(in_a_row, scale):
+                optimizer.report_persistent_skips(in_a_row, scale)
+
+            jax.lax.cond(
+                in_a_row >= limit,
+                lambda: jax.debug.callback(host_report, in_a_row, scale),
+                lambda: None,
+            )
+            return
+    optimizer.report_persistent_skips(
+        ops.convert_to_numpy(in_a_row), ops.convert_to_numpy(scale)
+    )

@@ -1,0 +1,125 @@
+"""One `LossScaleOptimizer` step on TensorFlow: eager, graph, XLA and
+`tf.distribute` (see `kmp.core.tf_apply` for the pieces).
+
+In a graph the update either waits for the finite check in a cond (lowered
+into the graph, as TensorFlow does it, so Grappler optimizes the update
+exactly as without the cond, and its arithmetic is the inner optimizer's
+own) or, for Keras's optimizers on models of many small variables, is
+applied at once and undone on a skipped step.
+"""
+
+from kmp.core import backend
+from kmp.core import tf_apply
+from kmp.core.fused import FusedAdam
+
+tf = backend.tensorflow()
+
+
+def apply(optimizer, grads, variables, scaled: bool) -> None:
+    """Applies one step of `optimizer` (already built) with `grads`."""
+    distributed = tf.distribute.has_strategy()
+    if distributed:
+        grads = tf_apply.sum_over_replicas(grads)
+    grads, finite, apply_ok, per_gradient = optimizer.prepare_gradients(
+        grads, variables, scaled
+    )
+    inner = optimizer.inner_optimizer
+    if tf.executing_eagerly() and not distributed:
+        if bool(apply_ok):
+            inner.apply(grads, variables)
+        optimizer.update_state(finite, apply_ok, per_gradient, variables)
+        optimizer.report_persistent_skips_now()
+        return
+    if distributed and not (
+        tf.__internal__.distribute.strategy_supports_no_merge_call()
+    ):
+        # A cond whose branch calls merge_call (as the inner optimizer's
+        # apply does) must run in cross-replica context.
+        tf.distribute.get_replica_context().merge_call(
+            _cross_replica_step,
+            args=(optimizer, grads, variables, finite, apply_ok, per_gradient),
+        )
+        return
+    if distributed:
+        tf.cond(
+            apply_ok,
+            lambda: _inner_apply(inner, grads, variables, True),
+            lambda: None,
+        )
+        _after_step(optimizer, finite, apply_ok, per_gradient, variables)
+        return
+    restorable = tf_apply.restorable_types(extra=(FusedAdam,))
+    if tf_apply.can_apply_then_restore(inner, grads, variables, restorable):
+        restore = tf_apply.snapshot([*variables, *inner.variables])
+        inner.apply(grads, variables)
+        _after_step(
+            optimizer, finite, apply_ok, per_gradient, variables, restore
+        )
+        return
+    tf.cond(
+        apply_ok,
+        lambda: _inner_apply(inner, grads, variables, False),
+        lambda: None,
+    )
+    _after_step(optimizer, finite, apply_ok, per_gradient, variables)
+
+
+def _inner_apply(inner, grads, variables, already_summed):
+    if already_summed:
+        with tf_apply.without_gradient_aggregation(inner):
+            inner.apply(grads, variables)
+    else:
+        inner.apply(grads, variables)
+
+
+def _cross_replica_step(
+    distribution, optimizer, grads, variables, finite, apply_ok, per_gradient
+):
+    # Every replica decided on the same summed gradients; AND them anyway.
+    local = distribution.experimental_local_results
+    apply_ok = tf.reduce_all(tf.stack(local(apply_ok)))
+    finite = tf.reduce_all(tf.stack(local(finite)))
+    if per_gradient is not None:
+        per_gradient = [local(flag)[0] for flag in per_gradient]
+
+    def apply_on_every_replica():
+        distribution.extended.call_for_each_replica(
+            _inner_apply,
+            args=(optimizer.inner_optimizer, grads, variables, True),
+        )
+
+    tf.cond(apply_ok, apply_on_every_replica, lambda: None)
+    _after_step(optimizer, finite, apply_ok, per_gradient, variables)
+
+
+def _after_step(
+    optimizer, finite, apply_ok, per_gradient, variables, restore=None
+):
+    """Updates the state; undoes an applied update on a skipped step.
+
+    What only a skipped step needs (`restore`, and the persistent-skips
+    report) runs in one `If` kept as a single function call: a step that is
+    not skipped pays one op for it.
+    """
+    in_a_row = optimizer.update_state(finite, apply_ok, per_gradient, variables)
+    limit = optimizer._max_consecutive_skips
+    # py_function cannot run under XLA; there, LossScaleMonitor (or
+    # check_persistent_skips) reads the counter after the step instead.
+    report = limit is not None and not tf_apply.in_xla_context()
+    if restore is None and not report:
+        return
+    scale = tf.convert_to_tensor(optimizer.dynamic_scale)
+    reached = in_a_row >= limit if report else None
+
+    def report_persistent_skips():
+        tf.py_function(optimizer.report_persistent_skips, [in_a_row, scale], [])
+
+    def when_skipped():
+        restored = restore() if restore is not None else []
+        if report:
+            # After the state is back: "raise" must not stop a step that
+            # is half undone.
+            with tf.control_dependencies(restored):
+                tf.cond(reached, report_persistent_skips, lambda: None)
+
+    tf_apply.cond_as_one_call(tf.logical_not(apply_ok), when_skipped)

@@ -1,0 +1,207 @@
+"""Every change kmp makes to Keras, in one registry.
+
+`import kmp` installs these, and nothing else changes Keras:
+
+- `global_policy` (behaviour): a policy a user sets holds in every thread;
+- `compile` (behaviour): compile's automatic loss scaling is kmp's;
+- `dense` (performance, TensorFlow): a float32 Dense keeps a bfloat16 or
+  float16 input for its backward pass, not a float32 copy;
+- `recurrent` (performance, TensorFlow): LSTM, GRU and SimpleRNN cast their
+  weights once per call, not per time step;
+- `mean` (performance, TensorFlow, off by default): bfloat16 means without
+  a float32 copy.
+
+Performance patches give Keras's results bit for bit (`mean`'s gradient is
+the correctly rounded one, which in graphs is not Keras's: it is off unless
+installed). Turn patches off as a whole or one by one with `uninstall`, or
+before `import kmp` with the environment variable `KMP_PATCHES`: `none`, a
+list of names to install (`global_policy,compile`), or names to leave out of
+the defaults (`-dense,-recurrent`). On a Keras or TensorFlow kmp was not
+tested with, performance patches stay off with one warning.
+
+>>> sorted(info.name for info in available())
+['compile', 'dense', 'global_policy', 'mean', 'recurrent']
+"""
+
+import os
+import warnings
+from typing import Tuple
+
+from kmp.core import backend
+from kmp.patches import compile as _compile_patch
+from kmp.patches import global_policy as _global_policy_patch
+from kmp.patches import registry
+
+DEFAULT_OFF = ("mean",)
+ENVIRONMENT_VARIABLE = "KMP_PATCHES"
+
+
+class VersionWarning(UserWarning):
+    """kmp runs on a Keras or TensorFlow it was not tested with."""
+
+
+def _patches() -> list:
+    # Looked up each time: importlib.reload of a patch module replaces it.
+    from kmp.patches import dense
+    from kmp.patches import mean
+    from kmp.patches import recurrent
+
+    modules = [_global_policy_patch, _compile_patch]
+    if backend.is_tensorflow():
+        modules += [dense, recurrent, mean]
+    return [module.PATCH for module in modules]
+
+
+def _by_name(names) -> list:
+    patches = {patch.name: patch for patch in _all_patches()}
+    unknown = [name for name in names if name not in patches]
+    if unknown or any(not isinstance(name, str) for name in names):
+        raise ValueError(
+            f"Unknown kmp patch name(s): {unknown or names!r}. The patches "
+            f"are {', '.join(repr(name) for name in sorted(patches))}."
+        )
+    return [patches[name] for name in names]
+
+
+def _all_patches() -> list:
+    """Also those that apply only to another backend (never imported)."""
+    patches = _patches()
+    names = {patch.name for patch in patches}
+    for name, summary in (
+        ("dense", "TensorFlow only: float32 Dense keeps a low-precision input"),
+        ("recurrent", "TensorFlow only: RNN weights cast once per call"),
+        ("mean", "TensorFlow only: bfloat16 means without a float32 copy"),
+    ):
+        if name not in names:
+            patches.append(
+                registry.Patch(
+                    name,
+                    registry.PERFORMANCE,
+                    summary,
+                    targets=list,
+                    backends=("tensorflow",),
+                )
+            )
+    return patches
+
+
+def available() -> Tuple[registry.PatchInfo, ...]:
+    """Every patch kmp has, with whether it applies, was tested, is on."""
+    return tuple(patch.info() for patch in _all_patches())
+
+
+def installed() -> Tuple[str, ...]:
+    """The names of the patches in effect now.
+
+    >>> "global_policy" in installed()
+    True
+    """
+    return tuple(patch.name for patch in _patches() if patch.installed)
+
+
+def install(*names: str, force: bool = False) -> None:
+    """Installs the named patches (all that apply and were tested, if none).
+
+    Args:
+        *names: Patch names; none means every default one.
+        force: Install a performance patch on an untested Keras/TensorFlow.
+
+    Raises:
+        ValueError: an unknown name.
+        RuntimeError: a patch that does not apply to this backend, was not
+            tested with this version (without `force`), or fails its check.
+    """
+    patches = _by_name(names) if names else _defaults()
+    for patch in patches:
+        patch.install(force=force)
+
+
+def uninstall(*names: str) -> None:
+    """Gives Keras back its own functions for the named patches (all if none).
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    patches = _by_name(names) if names else _patches()
+    for patch in patches:
+        if patch.applicable:
+            patch.uninstall()
+
+
+def _defaults() -> list:
+    return [
+        patch
+        for patch in _patches()
+        if patch.name not in DEFAULT_OFF
+        and (patch.kind == registry.BEHAVIOUR or patch.tested)
+    ]
+
+
+def _from_environment() -> list:
+    """The patches `KMP_PATCHES` asks for (the defaults when unset)."""
+    text = os.environ.get(ENVIRONMENT_VARIABLE, "").strip()
+    if not text or text == "default":
+        return _defaults()
+    if text == "none":
+        return []
+    entries = [entry.strip() for entry in text.split(",") if entry.strip()]
+    removed = [entry[1:] for entry in entries if entry.startswith("-")]
+    added = [entry for entry in entries if not entry.startswith("-")]
+    if removed and added:
+        raise ValueError(
+            f"{ENVIRONMENT_VARIABLE}={text!r} mixes names to install and "
+            "names to leave out (-name); use one kind."
+        )
+    _by_name(removed + added)  # Checks the names.
+    applicable = {patch.name for patch in _patches()}
+    if added:
+        return [p for p in _by_name(added) if p.name in applicable]
+    return [patch for patch in _defaults() if patch.name not in removed]
+
+
+def install_at_import() -> None:
+    """What `import kmp` does: the patches `KMP_PATCHES` asks for.
+
+    Performance patches not tested with this Keras / TensorFlow stay off,
+    and one `VersionWarning` says so.
+    """
+    wanted = _from_environment()
+    kept_off = [
+        patch.name
+        for patch in wanted
+        if patch.kind == registry.PERFORMANCE and not patch.tested
+    ]
+    for patch in wanted:
+        if patch.name not in kept_off:
+            patch.install()
+    versions = _untested_versions()
+    if versions:
+        warnings.warn(
+            "kmp was tested with Keras 3.12-3.15 and TensorFlow 2.18-2.21; "
+            f"this is {versions}. It works, with these performance patches "
+            f"off: {', '.join(kept_off) or 'none'} (see kmp.patches).",
+            VersionWarning,
+            stacklevel=3,
+        )
+
+
+def _untested_versions() -> str:
+    parts = []
+    keras_version = backend.keras_version()
+    if not registry.in_range(keras_version, registry.TESTED_KERAS):
+        parts.append("Keras " + ".".join(map(str, keras_version)))
+    tensorflow_version = backend.tensorflow_version()
+    if tensorflow_version is not None and not registry.in_range(
+        tensorflow_version, registry.TESTED_TENSORFLOW
+    ):
+        parts.append("TensorFlow " + ".".join(map(str, tensorflow_version)))
+    return " and ".join(parts)
+
+
+__all__ = [
+    "VersionWarning",
+    "available",
+    "install",
+    "installed",
+    "uninstall",
+]

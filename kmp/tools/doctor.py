@@ -1,0 +1,157 @@
+"""`kmp doctor`: what this machine offers for mixed precision, and the policy.
+
+It reports the Keras backend and versions, the GPUs with their compute
+capability, the TPUs, and the CPU's bfloat16 and float16 instructions, then
+recommends a policy by the rule of `kmp.core.hardware.recommend_policy`.
+"""
+
+import dataclasses
+import platform
+from typing import Optional
+from typing import Tuple
+
+import keras
+
+from kmp.core import backend
+from kmp.core.hardware import BFLOAT16_CPU_FLAGS
+from kmp.core.hardware import CPUINFO_PATH
+from kmp.core.hardware import FLOAT16_CPU_FLAGS
+from kmp.core.hardware import Gpu
+from kmp.core.hardware import count_tpus
+from kmp.core.hardware import list_gpus
+from kmp.core.hardware import read_cpu_flags
+from kmp.core.hardware import recommend_policy
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
+    """What `kmp doctor` found on this machine.
+
+    Attributes:
+        backend: Keras's backend ("tensorflow", "jax", "torch").
+        backend_version: That framework's version.
+        keras_version: `keras.__version__`.
+        python_version: The Python version.
+        gpus: The physical GPUs.
+        tpus: How many TPU devices the backend sees.
+        cpu_flags: The CPU flags read from /proc/cpuinfo, or None when it
+            could not be read (not Linux, for one).
+    """
+
+    backend: str
+    backend_version: str
+    keras_version: str
+    python_version: str
+    gpus: Tuple[Gpu, ...]
+    tpus: int
+    cpu_flags: Optional[frozenset]
+
+
+def collect_environment() -> Environment:
+    """Looks at this machine: versions, GPUs, TPUs and CPU flags."""
+    return Environment(
+        backend=backend.name(),
+        backend_version=_framework_version(backend.name()),
+        keras_version=keras.__version__,
+        python_version=platform.python_version(),
+        gpus=tuple(list_gpus()),
+        tpus=count_tpus(),
+        cpu_flags=read_cpu_flags(),
+    )
+
+
+def _framework_version(name: str) -> str:
+    module = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}.get(
+        name
+    )
+    if module is None:
+        return "unknown"
+    import importlib
+
+    return importlib.import_module(module).__version__
+
+
+_FRAMEWORK_NAMES = {"tensorflow": "TensorFlow", "jax": "JAX", "torch": "torch"}
+
+
+def format_report(environment: Environment) -> str:
+    """The text `kmp doctor` prints for `environment`."""
+    framework = _FRAMEWORK_NAMES.get(environment.backend, environment.backend)
+    lines = [
+        f"Keras {environment.keras_version} on the {environment.backend} "
+        f"backend ({framework} {environment.backend_version}), Python "
+        f"{environment.python_version}",
+    ]
+    if environment.gpus:
+        lines.append(f"GPUs: {len(environment.gpus)}")
+        lines.extend(
+            f"  GPU {index}: {gpu.describe()}"
+            + ("" if gpu.has_tensor_cores else ", no Tensor Cores")
+            for index, gpu in enumerate(environment.gpus)
+        )
+    else:
+        lines.append("GPUs: none")
+    lines.append(f"TPUs: {environment.tpus or 'none'}")
+    if environment.cpu_flags is None:
+        lines.append(
+            f"CPU bfloat16 instructions: unknown ({CPUINFO_PATH} unreadable)"
+        )
+    else:
+        present = [f for f in BFLOAT16_CPU_FLAGS if f in environment.cpu_flags]
+        lines.append(
+            "CPU bfloat16 instructions: " + (", ".join(present) or "none")
+        )
+        present = [f for f in FLOAT16_CPU_FLAGS if f in environment.cpu_flags]
+        lines.append(
+            "CPU float16 instructions: " + (", ".join(present) or "none")
+        )
+        if (
+            present
+            and not environment.gpus
+            and environment.backend == ("tensorflow")
+        ):
+            lines.append(
+                "  float16 is fast here only with TensorFlow's op fusion off: "
+                "tf.config.optimizer.set_experimental_options("
+                "{'remapping': False}) (its fused float16 MatMul kernel is "
+                "about 1000x slower on CPUs)"
+            )
+    policy, reason = recommend_policy(
+        environment.gpus, environment.tpus, environment.cpu_flags
+    )
+    lines += [
+        "",
+        f"Recommended policy: {policy}",
+        f"  {reason}",
+        f"  kmp.set_global_policy({policy!r})",
+    ]
+    return "\n".join(lines)
+
+
+# --- kmp doctor ---------------------------------------------------------------
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "doctor",
+        help="report the hardware and recommend a policy",
+        description=(
+            "Report TensorFlow and Keras versions, GPUs and their compute "
+            "capability, TPUs and the CPU's bfloat16 and float16 "
+            "instructions, and "
+            "recommend a dtype policy for this machine."
+        ),
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    print(format_report(collect_environment()))
+    return 0
+
+
+__all__ = [
+    "Environment",
+    "collect_environment",
+    "format_report",
+]
