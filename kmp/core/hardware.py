@@ -40,7 +40,7 @@ logger = logging.getLogger("kmp")
 
 @dataclasses.dataclass(frozen=True)
 class Gpu:
-    """A GPU as TensorFlow describes it.
+    """A GPU as the backend describes it.
 
     Attributes:
         name: The device's name, such as `"NVIDIA A100-SXM4-40GB"`.
@@ -209,7 +209,8 @@ def recommend_policy(
         return (
             "mixed_bfloat16",
             f"No GPU; the CPU has bfloat16 instructions ({', '.join(bf16)}), "
-            "which oneDNN uses for matrix multiplications and convolutions.",
+            "which the CPU backends use for matrix multiplications and "
+            "convolutions.",
         )
     if cpu_flags is None:
         cpu = "the CPU's bfloat16 support is unknown"
@@ -229,7 +230,9 @@ _float16_checked = False
 
 
 def _cpu_float16_advice(cpu_flags) -> str:
-    """What a CPU user who keeps float16 should know."""
+    """What a CPU user who keeps float16 should know (on TensorFlow)."""
+    if not backend.is_tensorflow():
+        return ""
     fix = (
         "TensorFlow's fused float16 MatMul + BiasAdd kernel is about 1000x "
         "slower on CPUs than the plain ops; turn that fusion off with "

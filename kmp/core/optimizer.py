@@ -18,7 +18,6 @@ How a step is applied depends on the backend: `kmp.core.tf_apply` on
 TensorFlow, a pure `stateless_apply` on JAX, and eagerly on torch.
 """
 
-import numbers
 from typing import Iterable
 from typing import List
 from typing import Mapping
@@ -32,9 +31,11 @@ from keras.src.saving import serialization_lib
 from kmp.core import backend
 from kmp.core import checks
 from kmp.core import loss_scale as rule_module
+from kmp.core import optimizer_arguments as arguments
 from kmp.core import recipes as recipes_module
 from kmp.core import scaling
 from kmp.core import stateless
+from kmp.core.optimizer_arguments import ArgumentTypeError
 from kmp.core.optimizer_state import PersistentSkipsWarning
 from kmp.core.optimizer_state import StateMixin
 
@@ -45,180 +46,6 @@ if backend.is_tensorflow():
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 _KerasOptimizer = keras.optimizers.Optimizer
 _MAX_SKIPS = 2**31 - 1
-
-
-class ArgumentTypeError(TypeError, ValueError):
-    """An argument of the wrong type: both a `TypeError` and a `ValueError`.
-
-    Raised for an `initial_scale` that is not a number and a
-    `dynamic_growth_steps` that is not an integer, which the contract
-    answers with `ValueError` and Python's convention with `TypeError`:
-    either catches it.
-
-    >>> try:
-    ...     LossScaleOptimizer(keras.optimizers.SGD(), initial_scale="8")
-    ... except ValueError as error:
-    ...     print(type(error).__name__, isinstance(error, TypeError))
-    ArgumentTypeError True
-    """
-
-
-def _check_inner(inner_optimizer):
-    if isinstance(inner_optimizer, _KerasLossScaleOptimizer):
-        raise TypeError(
-            "'inner_optimizer' must not be a LossScaleOptimizer: loss scaling "
-            "would be applied twice. Wrap the plain optimizer instead, e.g. "
-            "kmp.LossScaleOptimizer(keras.optimizers.Adam()). Received: "
-            f"inner_optimizer={inner_optimizer!r}"
-        )
-    if not isinstance(inner_optimizer, _KerasOptimizer):
-        raise TypeError(
-            "'inner_optimizer' must be a Keras optimizer instance, such as "
-            "keras.optimizers.SGD(0.01). Received: "
-            f"inner_optimizer={checks.describe(inner_optimizer)}"
-        )
-    if getattr(inner_optimizer, "loss_scale_factor", None) is not None:
-        raise ValueError(
-            "'inner_optimizer' has its own loss_scale_factor="
-            f"{inner_optimizer.loss_scale_factor!r}; the loss would be scaled "
-            "twice. Leave it unset and pass the scale here instead: "
-            "kmp.LossScaleOptimizer(inner, dynamic=False, initial_scale=...)."
-        )
-
-
-def _check_dynamic(dynamic):
-    if isinstance(dynamic, bool):
-        return
-    if isinstance(dynamic, str) or (
-        isinstance(dynamic, numbers.Real) and not isinstance(dynamic, bool)
-    ):
-        raise TypeError(
-            f"'dynamic' must be True or False. Received: dynamic={dynamic!r}. "
-            "kmp follows tf.keras's order, LossScaleOptimizer(inner, dynamic, "
-            "initial_scale, dynamic_growth_steps): pass a scale by keyword, "
-            "initial_scale=N (Keras 3's second argument), and "
-            "LossScaleOptimizer(opt, 'dynamic') or loss_scale=... from "
-            "TensorFlow 2.1-2.3 becomes LossScaleOptimizer(opt) (dynamic) or "
-            "LossScaleOptimizer(opt, dynamic=False, initial_scale=N) (fixed)."
-        )
-    raise TypeError(
-        f"'dynamic' must be True or False. Received: "
-        f"dynamic={checks.describe(dynamic)}"
-    )
-
-
-def _check_scale_settings(dynamic, initial_scale, growth_steps, knobs):
-    """The rule (None when fixed) and the initial scale, checked."""
-    if initial_scale is None:
-        if not dynamic:
-            raise ValueError(
-                "'initial_scale' is required when dynamic=False: it is the "
-                "fixed loss scale, e.g. initial_scale=128. Received: "
-                "initial_scale=None"
-            )
-        initial_scale = rule_module.DEFAULT_INITIAL_SCALE
-    elif isinstance(initial_scale, bool) or not isinstance(
-        initial_scale, numbers.Real
-    ):
-        raise ArgumentTypeError(
-            "'initial_scale' must be a number (a finite float >= 1). "
-            f"Received: initial_scale={checks.describe(initial_scale)}"
-        )
-    if not dynamic:
-        changed = [key for key, value in knobs.items() if value is not None]
-        if growth_steps is not None:
-            changed.insert(0, "dynamic_growth_steps")
-        given = dict(knobs, dynamic_growth_steps=growth_steps)
-        if changed:
-            raise ValueError(
-                f"{', '.join(repr(k) for k in changed)} apply only to a "
-                "dynamic loss scale; leave them unset with dynamic=False. "
-                "Received: "
-                + ", ".join(f"{key}={given[key]!r}" for key in changed)
-            )
-        floor = rule_module.DEFAULT_MIN_SCALE
-        if not floor <= initial_scale <= rule_module.MAX_SCALE:
-            raise ValueError(
-                "'initial_scale' must be a finite number >= 1 (and at most "
-                f"the largest float32, {rule_module.MAX_SCALE:.4g}). "
-                f"Received: initial_scale={initial_scale!r}"
-            )
-        return None, float(initial_scale)
-    if growth_steps is not None and (
-        isinstance(growth_steps, bool)
-        or not isinstance(growth_steps, numbers.Integral)
-    ):
-        raise ArgumentTypeError(
-            "'dynamic_growth_steps' must be a positive integer. Received: "
-            f"dynamic_growth_steps={checks.describe(growth_steps)}"
-        )
-    settings = {k: v for k, v in knobs.items() if v is not None}
-    if growth_steps is not None:
-        settings["growth_steps"] = growth_steps
-    rule = rule_module.ScaleRule(**settings)
-    if not rule.min_scale <= initial_scale <= rule.max_scale:
-        raise ValueError(
-            f"'initial_scale' must be a finite number >= min_scale "
-            f"({rule.min_scale:g}) and <= max_scale ({rule.max_scale:.6g}). "
-            f"Received: initial_scale={initial_scale!r}"
-        )
-    return rule, float(initial_scale)
-
-
-def _check_skip_options(max_skips, on_persistent_skips, record_nonfinite):
-    if max_skips is not None:
-        checks.checked_integer(
-            max_skips,
-            "max_consecutive_skips",
-            1,
-            _MAX_SKIPS,
-            f"a positive integer (at most {_MAX_SKIPS}) or None",
-        )
-    if on_persistent_skips not in ("warn", "raise"):
-        raise ValueError(
-            "'on_persistent_skips' must be 'warn' or 'raise'. Received: "
-            f"on_persistent_skips={on_persistent_skips!r}"
-        )
-    checks.checked_bool(record_nonfinite, "record_nonfinite")
-
-
-def check_learning_rate(value) -> None:
-    """Refuses a learning rate that is not a finite number (NaN, inf, a
-    non-floating tensor); a schedule or a callable is taken as it is."""
-    schedule = keras.optimizers.schedules.LearningRateSchedule
-    if isinstance(value, schedule) or (
-        callable(value) and not checks.is_tensor(value)
-    ):
-        return
-    if isinstance(value, bool) or not (
-        isinstance(value, numbers.Real) or checks.is_tensor(value)
-    ):
-        raise TypeError(
-            "'learning_rate' must be a number, a scalar tensor or a "
-            "keras.optimizers.schedules.LearningRateSchedule. Received: "
-            f"learning_rate={checks.describe(value)}"
-        )
-    if checks.is_tensor(value):
-        if checks.dtype_name(value) not in checks.FLOATING_DTYPES:
-            raise TypeError(
-                "'learning_rate' must be floating point. Received: "
-                f"learning_rate={checks.describe(value)}"
-            )
-        if tuple(value.shape) not in ((),):
-            raise ValueError(
-                "'learning_rate' must be a scalar. Received: "
-                f"learning_rate={checks.describe(value)}"
-            )
-        number = checks.concrete_value(value)
-        received = f"learning_rate={checks.describe(value)} of value {number}"
-    else:
-        number = value
-        received = f"learning_rate={value!r}"
-    if number is not None and not checks.is_finite_number(number):
-        raise ValueError(
-            "'learning_rate' must be a finite number that fits in float32. "
-            f"Received: {received}"
-        )
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -321,9 +148,9 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
         **kwargs,
     ):
         backend.check_supported("kmp.LossScaleOptimizer")
-        _check_keras_kwargs(kwargs)
-        _check_inner(inner_optimizer)
-        _check_dynamic(dynamic)
+        arguments.check_keras_kwargs(kwargs)
+        arguments.check_inner(inner_optimizer)
+        arguments.check_dynamic(dynamic)
         knobs = {
             "growth_factor": growth_factor,
             "backoff_factor": backoff_factor,
@@ -331,10 +158,10 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
             "max_scale": max_scale,
             "hysteresis": hysteresis,
         }
-        rule, initial_scale = _check_scale_settings(
+        rule, initial_scale = arguments.check_scale_settings(
             dynamic, initial_scale, dynamic_growth_steps, knobs
         )
-        _check_skip_options(
+        arguments.check_skip_options(
             max_consecutive_skips, on_persistent_skips, record_nonfinite
         )
         if backend.is_tensorflow():
@@ -451,7 +278,7 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
 
     @learning_rate.setter
     def learning_rate(self, value):
-        check_learning_rate(value)
+        arguments.check_learning_rate(value)
         self._inner_optimizer.learning_rate = value
 
     # --- Scaling ------------------------------------------------------------
@@ -500,7 +327,7 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
         Raises:
             TypeError: `grads` is not an iterable of gradients.
         """
-        grads = self._gradient_list(grads, "grads")
+        grads = arguments.checked_gradient_list(grads, "grads")
         with backend_name_scope(self):
             unscaled = scaling.unscale_gradients(grads, self.dynamic_scale)
         self._recipes.unscale_called(grads, unscaled)
@@ -526,7 +353,7 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
 
         `stateless_apply` applies its results as they are.
         """
-        grads = self._gradient_list(grads, "grads")
+        grads = arguments.checked_gradient_list(grads, "grads")
         scale = self._scale_value(optimizer_variables)
         unscaled = scaling.unscale_gradients(grads, scale)
         self._recipes.unscale_called(grads, unscaled)
@@ -546,59 +373,8 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
         return optimizer_variables[index]
 
     def _scaled(self, loss, scale):
-        if isinstance(loss, bool) or not (
-            isinstance(loss, numbers.Real) or checks.is_tensor(loss)
-        ):
-            raise TypeError(
-                "'loss' must be a floating tensor or number. Received: "
-                f"loss={checks.describe(loss)}"
-            )
-        if isinstance(loss, numbers.Real):
-            if not checks.is_finite_number(loss):
-                raise ValueError(
-                    "'loss' must fit in float32 (at most about 3.4e38 in "
-                    f"magnitude). Received: loss={loss!r}"
-                )
-            loss = ops.convert_to_tensor(loss, "float32")
-        if checks.dtype_name(loss) not in checks.FLOATING_DTYPES:
-            raise TypeError(
-                "'loss' must be floating point. Received: "
-                f"loss={checks.describe(loss)}"
-            )
+        loss = arguments.checked_loss(loss)
         return scaling.scale_tensor(loss, scale, divide=False)
-
-    @staticmethod
-    def _gradient_list(grads, argument) -> List:
-        if (
-            checks.is_tensor(grads)
-            or checks.is_indexed_slices(grads)
-            or isinstance(grads, (str, bytes, Mapping))
-            or not isinstance(grads, Iterable)
-        ):
-            raise TypeError(
-                f"'{argument}' must be a list of gradients (tensors, "
-                "IndexedSlices or None), such as tape.gradient(...)'s "
-                f"result. Received: {argument}={checks.describe(grads)}"
-            )
-        grads = list(grads)
-        for index, gradient in enumerate(grads):
-            if gradient is None or checks.is_indexed_slices(gradient):
-                continue
-            if not checks.is_tensor(gradient):
-                try:
-                    gradient = ops.convert_to_tensor(gradient)
-                except Exception:
-                    raise TypeError(
-                        f"'{argument}[{index}]' must be a floating tensor or "
-                        f"None. Received: {checks.describe(gradient)}"
-                    ) from None
-            if checks.dtype_name(gradient) not in checks.FLOATING_DTYPES:
-                raise TypeError(
-                    f"'{argument}[{index}]' must be floating point. "
-                    f"Received: {checks.describe(gradient)}"
-                )
-            grads[index] = gradient
-        return grads
 
     def check_finite(self, grads):
         """A bool scalar tensor: whether no gradient has an inf or a NaN."""
@@ -801,18 +577,30 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
     # --- Serialization ------------------------------------------------------
 
     def get_config(self) -> dict:
+        """Keras's four keys, and kmp's settings where not at the default."""
         config = {
             "name": self.name,
             "inner_optimizer": serialization_lib.serialize_keras_object(
                 self._inner_optimizer
             ),
-            "dynamic": self._dynamic,
             "initial_scale": self._initial_scale,
             "dynamic_growth_steps": self.dynamic_growth_steps,
+        }
+        settings = {
+            "dynamic": self._dynamic,
             "max_consecutive_skips": self._max_consecutive_skips,
             "on_persistent_skips": self._on_persistent_skips,
             "record_nonfinite": self._record_nonfinite,
         }
+        defaults = {
+            "dynamic": True,
+            "max_consecutive_skips": 1000,
+            "on_persistent_skips": "warn",
+            "record_nonfinite": False,
+        }
+        config.update(
+            {k: v for k, v in settings.items() if v != defaults[k]}
+        )
         config.update(self._knobs)
         return config
 
@@ -830,44 +618,6 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
-
-
-def _check_keras_kwargs(kwargs):
-    """Accepts what Keras's own LossScaleOptimizer config may hold.
-
-    Keras's `LossScaleOptimizer` allows the base optimizer's arguments at
-    their defaults, for configs saved by older Keras releases.
-    """
-    defaults = {
-        "weight_decay": None,
-        "clipnorm": None,
-        "global_clipnorm": None,
-        "clipvalue": None,
-        "use_ema": False,
-        "ema_momentum": 0.99,
-        "ema_overwrite_frequency": None,
-        "loss_scale_factor": None,
-        "gradient_accumulation_steps": None,
-    }
-    if "loss_scale" in kwargs:
-        raise TypeError(
-            "LossScaleOptimizer(opt, loss_scale=...) is TensorFlow "
-            "2.1-2.3's API. Use kmp.LossScaleOptimizer(opt) for a dynamic "
-            "scale or kmp.LossScaleOptimizer(opt, dynamic=False, "
-            "initial_scale=N) for a fixed one (or import the old names from "
-            "kmp.mixed_precision.experimental, which translates them)."
-        )
-    for key, value in kwargs.items():
-        if key not in defaults:
-            raise TypeError(
-                f"LossScaleOptimizer got an unexpected argument {key!r}. "
-                f"Received: {key}={value!r}"
-            )
-        if value != defaults[key]:
-            raise ValueError(
-                f"LossScaleOptimizer does not take {key!r}; set it on the "
-                f"inner optimizer instead. Received: {key}={value!r}"
-            )
 
 
 def backend_name_scope(optimizer):

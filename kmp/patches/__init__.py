@@ -23,6 +23,7 @@ tested with, performance patches stay off with one warning.
 ['compile', 'dense', 'global_policy', 'mean', 'recurrent']
 """
 
+import importlib
 import os
 import warnings
 from typing import Tuple
@@ -42,13 +43,12 @@ class VersionWarning(UserWarning):
 
 def _patches() -> list:
     # Looked up each time: importlib.reload of a patch module replaces it.
-    from kmp.patches import dense
-    from kmp.patches import mean
-    from kmp.patches import recurrent
-
     modules = [_global_policy_patch, _compile_patch]
     if backend.is_tensorflow():
-        modules += [dense, recurrent, mean]
+        modules += [
+            importlib.import_module(f"kmp.patches.{name}")
+            for name in ("dense", "recurrent", "mean")
+        ]
     return [module.PATCH for module in modules]
 
 
