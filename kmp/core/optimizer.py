@@ -510,10 +510,12 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
         else:
             per_gradient = None
             finite = scaling.all_finite(grads)
-        rate = self._inner_optimizer.learning_rate
-        apply_ok = ops.logical_and(
-            finite, ops.all(ops.isfinite(ops.cast(rate, "float32")))
-        )
+        rate = _current_learning_rate(self._inner_optimizer)
+        apply_ok = finite
+        if rate is not None:
+            apply_ok = ops.logical_and(
+                finite, ops.all(ops.isfinite(ops.cast(rate, "float32")))
+            )
         return grads, finite, apply_ok, per_gradient
 
     def _apply_eagerly(self, grads, variables, scaled):
@@ -598,9 +600,7 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
             "on_persistent_skips": "warn",
             "record_nonfinite": False,
         }
-        config.update(
-            {k: v for k, v in settings.items() if v != defaults[k]}
-        )
+        config.update({k: v for k, v in settings.items() if v != defaults[k]})
         config.update(self._knobs)
         return config
 
@@ -618,6 +618,15 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
+
+
+def _current_learning_rate(optimizer):
+    """The optimizer's learning rate now, or None if it has no single one
+    (a `MultiOptimizer`'s are its sub-optimizers')."""
+    try:
+        return optimizer.learning_rate
+    except (AttributeError, NotImplementedError):
+        return None
 
 
 def backend_name_scope(optimizer):

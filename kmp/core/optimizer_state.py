@@ -146,6 +146,15 @@ class StateMixin:
                 stacklevel=2,
             )
 
+    def note_persistent_skips(self, in_a_row, scale) -> None:
+        """`report_persistent_skips` from inside a compiled step (a JAX host
+        callback): never raises there; "raise" is kept for
+        `check_persistent_skips`, which raises it from Python."""
+        try:
+            self.report_persistent_skips(in_a_row, scale)
+        except FloatingPointError as error:
+            self._pending_persistent_skips = error
+
     def report_persistent_skips_now(self) -> None:
         """`report_persistent_skips` on the variables' values (eagerly)."""
         if self._max_consecutive_skips is None:
@@ -158,13 +167,16 @@ class StateMixin:
     def check_persistent_skips(self) -> None:
         """Warns or raises now if too many steps in a row were skipped.
 
-        For loops whose step runs under XLA (`jit_compile=True`), where no
-        Python runs inside the step; `fit` does this through
-        `kmp.callbacks.LossScaleMonitor`.
+        For steps compiled by XLA (`jit_compile=True`, JAX's `jit`), where
+        Python cannot raise inside the step: `kmp.callbacks.LossScaleMonitor`
+        calls it after every batch of `fit`; call it in a custom loop.
 
         Raises:
             FloatingPointError: with `on_persistent_skips="raise"`.
         """
+        pending = self.__dict__.pop("_pending_persistent_skips", None)
+        if pending is not None:
+            raise pending
         self.report_persistent_skips_now()
 
     # --- Saving and restoring -----------------------------------------------

@@ -96,7 +96,9 @@ def _report(optimizer, in_a_row, scale):
         if isinstance(in_a_row, jax.core.Tracer):
 
             def host_report(in_a_row, scale):
-                optimizer.report_persistent_skips(in_a_row, scale)
+                # Raising here would stop one device of a sharded step and
+                # leave the others waiting: "raise" waits for Python.
+                optimizer.note_persistent_skips(in_a_row, scale)
 
             jax.lax.cond(
                 in_a_row >= limit,

@@ -23,7 +23,7 @@ import inspect
 import keras
 from keras.src.trainers import trainer as _keras_trainer
 
-from kmp.core.optimizer import LossScaleOptimizer
+from kmp.core import optimizer as optimizer_module
 from kmp.patches import registry
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
@@ -55,7 +55,9 @@ def compile(original, self, *args, **kwargs):  # noqa: A001 - Keras's name.
     if computes_in_float16(self) is False:
         self.optimizer = chosen.inner_optimizer
         return
-    wrapper = LossScaleOptimizer(chosen.inner_optimizer, name=chosen.name)
+    wrapper = optimizer_module.LossScaleOptimizer(
+        chosen.inner_optimizer, name=chosen.name
+    )
     wrapper.keras_file_layout = True
     self.optimizer = wrapper
 
