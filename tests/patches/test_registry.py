@@ -60,7 +60,7 @@ def test_import_installs_the_defaults_and_mean_stays_off():
 
 
 def test_installed_functions_say_they_are_kmps_and_keep_keras_signature():
-    for patch, target, function in _installed_functions():
+    for patch, _target, function in _installed_functions():
         if not patch.installed:
             continue
         assert function.__kmp_patch__ == patch.name
