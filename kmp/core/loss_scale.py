@@ -40,6 +40,7 @@ import dataclasses
 from typing import Tuple
 
 from keras import ops
+from keras.backend import standardize_dtype
 
 from kmp.core import checks
 
@@ -108,7 +109,7 @@ class ScaleRule:
         scale, counter, hysteresis_left = state
         scale = ops.convert_to_tensor(scale, "float32")
         counter = ops.convert_to_tensor(counter)
-        if not str(counter.dtype).startswith(("int", "torch.int")):
+        if not standardize_dtype(counter.dtype).startswith("int"):
             counter = ops.cast(counter, "int32")
         hysteresis_left = ops.cast(hysteresis_left, counter.dtype)
         finite = ops.convert_to_tensor(finite, "bool")

@@ -38,6 +38,7 @@ from kmp.core import stateless
 from kmp.core.optimizer_arguments import ArgumentTypeError
 from kmp.core.optimizer_state import PersistentSkipsWarning
 from kmp.core.optimizer_state import StateMixin
+from kmp.core.optimizer_state import read_value
 
 if backend.is_tensorflow():
     from kmp.core import tf_apply
@@ -223,24 +224,24 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
     @property
     def loss_scale(self):
         """The current loss scale, a float32 scalar tensor."""
-        return ops.convert_to_tensor(self.dynamic_scale)
+        return read_value(self.dynamic_scale)
 
     @property
     def dynamic_counter(self):
         """Finite steps since the scale last changed; None if fixed."""
         if not self._dynamic:
             return None
-        return ops.convert_to_tensor(self.step_counter)
+        return read_value(self.step_counter)
 
     @property
     def skipped_steps(self):
         """How many steps were skipped for non-finite gradients."""
-        return ops.convert_to_tensor(self.skipped_steps_variable)
+        return read_value(self.skipped_steps_variable)
 
     @property
     def consecutive_skips(self):
         """How many of the latest steps were skipped in a row."""
-        return ops.convert_to_tensor(self.consecutive_skips_variable)
+        return read_value(self.consecutive_skips_variable)
 
     @property
     def nonfinite_variables(self) -> List[str]:
@@ -467,6 +468,7 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
             self.built = True
         scaled = self._recipes.grads_are_scaled(grads)
         grads = self._raw_overwrite_gradients(grads, trainable_variables)
+        self._recipes.applied()
         with backend_name_scope(self):
             if backend.is_tensorflow():
                 tf_steps.apply(self, grads, trainable_variables, scaled)

@@ -4,12 +4,14 @@ Every function raises `TypeError` or `ValueError` naming the argument, what
 is allowed and what was received, before anything changes.
 """
 
+import math
 import numbers
 from typing import Iterable
 from typing import List
 from typing import Mapping
 
 import keras
+import numpy as np
 from keras import ops
 
 from kmp.core import checks
@@ -236,25 +238,39 @@ def check_keras_kwargs(kwargs):
 
 
 def checked_loss(loss):
-    """`loss` as a floating tensor (a Python number as float32)."""
-    if isinstance(loss, bool) or not (
-        isinstance(loss, numbers.Real) or checks.is_tensor(loss)
-    ):
+    """`loss` as a floating tensor: a tensor, a Python float (float32), or
+    anything `keras.ops.convert_to_tensor` takes (a NumPy array, a list).
+
+    A non-finite loss is allowed (its gradients are non-finite, and the step
+    is skipped); a Python float beyond float32's range is not.
+    """
+    if isinstance(loss, (bool, np.bool_)):
         raise TypeError(
             "'loss' must be a floating tensor or number. Received: "
             f"loss={checks.describe(loss)}"
         )
-    if isinstance(loss, numbers.Real):
-        if not checks.is_finite_number(loss):
+    given = loss
+    if isinstance(loss, float):
+        if math.isfinite(loss) and not checks.is_finite_number(loss):
             raise ValueError(
                 "'loss' must fit in float32 (at most about 3.4e38 in "
                 f"magnitude). Received: loss={loss!r}"
             )
         loss = ops.convert_to_tensor(loss, "float32")
+    elif not checks.is_tensor(loss):
+        try:
+            loss = ops.convert_to_tensor(loss)
+        except Exception:
+            raise TypeError(
+                "'loss' must be a floating tensor or number. Received: "
+                f"loss={checks.describe(given)}"
+            ) from None
     if checks.dtype_name(loss) not in checks.FLOATING_DTYPES:
+        received = checks.describe(given)
+        if not checks.is_tensor(given):
+            received += f" (dtype {checks.dtype_name(loss)})"
         raise TypeError(
-            "'loss' must be floating point. Received: "
-            f"loss={checks.describe(loss)}"
+            f"'loss' must be floating point. Received: loss={received}"
         )
     return loss
 
@@ -276,18 +292,28 @@ def checked_gradient_list(grads, argument) -> List:
     for index, gradient in enumerate(grads):
         if gradient is None or checks.is_indexed_slices(gradient):
             continue
+        given = gradient
+        if isinstance(gradient, (bool, np.bool_)):
+            raise TypeError(
+                f"'{argument}[{index}]' must be a floating tensor or None. "
+                f"Received: {argument}[{index}]={checks.describe(given)}"
+            )
         if not checks.is_tensor(gradient):
             try:
                 gradient = ops.convert_to_tensor(gradient)
             except Exception:
                 raise TypeError(
                     f"'{argument}[{index}]' must be a floating tensor or "
-                    f"None. Received: {checks.describe(gradient)}"
+                    f"None. Received: {argument}[{index}]="
+                    f"{checks.describe(given)}"
                 ) from None
         if checks.dtype_name(gradient) not in checks.FLOATING_DTYPES:
+            received = checks.describe(given)
+            if not checks.is_tensor(given):
+                received += f" (dtype {checks.dtype_name(gradient)})"
             raise TypeError(
                 f"'{argument}[{index}]' must be floating point. "
-                f"Received: {checks.describe(gradient)}"
+                f"Received: {argument}[{index}]={received}"
             )
         grads[index] = gradient
     return grads

@@ -25,6 +25,14 @@ from keras import ops
 from kmp.core import backend
 
 
+def read_value(variable):
+    """A snapshot of `variable`'s value now (a tensor that later steps do not
+    change), also of a `tf.distribute` variable in cross-replica context."""
+    if backend.is_tensorflow():
+        return backend.tensorflow().identity(variable.value)
+    return ops.copy(variable.value)
+
+
 class PersistentSkipsWarning(RuntimeWarning):
     """Many steps in a row were skipped: training is not progressing."""
 

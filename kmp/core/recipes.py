@@ -38,9 +38,17 @@ def _reference(value):
 class _ThreadState:
     def __init__(self):
         self.recipe: Optional[str] = None
-        # id -> (reference to an unscaled output, reference to its input)
+        self.forget_unscaled()
+
+    def forget_unscaled(self):
+        # id -> weak reference: what get_unscaled_gradients returned (only
+        # its identity matters) and what it was given.
         self.outputs = {}
         self.inputs = {}
+        # id of an output -> the gradient it was made from, kept until the
+        # next apply: a float8 variable's "gradient" is a value, applied as
+        # given (see LossScaleOptimizer._raw_overwrite_gradients).
+        self.given_for = {}
 
 
 class Recipes:
@@ -64,27 +72,37 @@ class Recipes:
         """`scale_loss` (SCALED) or `get_scaled_loss` (UNSCALED) was called."""
         state = self._state()
         state.recipe = recipe
-        state.outputs = {}
-        state.inputs = {}
+        state.forget_unscaled()
 
     def unscale_called(self, inputs: List, outputs: List) -> None:
         """`get_unscaled_gradients` turned `inputs` into `outputs`."""
         state = self._state()
-        state.outputs = {}
-        state.inputs = {}
+        state.forget_unscaled()
         for given, made in zip(inputs, outputs):
             if made is None:
                 continue
-            state.outputs[id(made)] = (_reference(made), _reference(given))
+            state.outputs[id(made)] = _reference(made)
             state.inputs[id(given)] = _reference(given)
+            state.given_for[id(made)] = given
+
+    def _is_output(self, gradient) -> bool:
+        reference = self._state().outputs.get(id(gradient))
+        return reference is not None and reference() is gradient
+
+    def _is_input(self, gradient) -> bool:
+        reference = self._state().inputs.get(id(gradient))
+        return reference is not None and reference() is gradient
 
     def unscaled_input(self, gradient):
         """What `get_unscaled_gradients` was given for `gradient`, if it
-        returned `gradient`; else None."""
-        entry = self._state().outputs.get(id(gradient))
-        if entry is not None and entry[0]() is gradient:
-            return entry[1]()
-        return None
+        returned `gradient` (and the step was not applied yet); else None."""
+        if not self._is_output(gradient):
+            return None
+        return self._state().given_for.get(id(gradient))
+
+    def applied(self) -> None:
+        """A step was applied: the given gradients need not be kept."""
+        self._state().given_for = {}
 
     def grads_are_scaled(self, grads: List) -> bool:
         """Whether `apply_gradients` must unscale `grads`; see above.
@@ -96,18 +114,14 @@ class Recipes:
         """
         state = self._state()
         present = [g for g in grads if g is not None]
-        outputs = [self.unscaled_input(g) is not None for g in present]
+        outputs = [self._is_output(g) for g in present]
         if present and all(outputs):
             return False
         if state.recipe != SCALED:
             return False
         if not state.outputs:
             return True
-        inputs = [
-            id(g) in state.inputs and state.inputs[id(g)]() is g
-            for g in present
-        ]
-        if all(inputs) and not any(outputs):
+        if all(self._is_input(g) for g in present) and not any(outputs):
             return True
         raise ValueError(
             "Cannot tell whether the gradients passed to apply_gradients are "

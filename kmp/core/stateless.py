@@ -51,6 +51,7 @@ def apply(
     if scaled is None:
         scaled = optimizer._recipes.grads_are_scaled(grads)
     grads = optimizer._raw_overwrite_gradients(grads, variables)
+    optimizer._recipes.applied()
     own_count = len(optimizer._variables)
     inner_values = optimizer_variables[own_count:]
     mapping = list(zip(optimizer.variables, optimizer_variables))

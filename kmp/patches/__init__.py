@@ -8,12 +8,10 @@
   float16 input for its backward pass, not a float32 copy;
 - `recurrent` (performance, TensorFlow): LSTM, GRU and SimpleRNN cast their
   weights once per call, not per time step;
-- `mean` (performance, TensorFlow, off by default): bfloat16 means without
-  a float32 copy.
+- `mean` (performance, TensorFlow): `keras.ops.mean` of bfloat16 tensors
+  without a float32 copy.
 
-Performance patches give Keras's results bit for bit (`mean`'s gradient is
-the correctly rounded one, which in graphs is not Keras's: it is off unless
-installed). Turn patches off as a whole or one by one with `uninstall`, or
+Performance patches give Keras's results bit for bit. Turn patches off as a whole or one by one with `uninstall`, or
 before `import kmp` with the environment variable `KMP_PATCHES`: `none`, a
 list of names to install (`global_policy,compile`), or names to leave out of
 the defaults (`-dense,-recurrent`). On a Keras or TensorFlow kmp was not
@@ -33,7 +31,7 @@ from kmp.patches import compile as _compile_patch
 from kmp.patches import global_policy as _global_policy_patch
 from kmp.patches import registry
 
-DEFAULT_OFF = ("mean",)
+DEFAULT_OFF = ()
 ENVIRONMENT_VARIABLE = "KMP_PATCHES"
 
 

@@ -11,9 +11,12 @@ guarantees: a scale never below 1 nor inf, skipped steps that leave
   optimizer writes `.keras` files in Keras's own layout, so a model built
   and compiled with Keras names only loads in Keras without kmp, scale and
   counter included; with kmp, the same file restores into kmp's optimizer.
-- If no layer of the model computes in float16 (a float32 model compiled or
-  loaded while the global policy is `mixed_float16`), no loss scaling is
-  added at all, so the saved optimizer state of a float32 model fits.
+- Keras decides by the model's own policy; kmp by its layers. A model of
+  `mixed_float16` layers gets loss scaling also when its own policy is
+  float32 (saved under `mixed_float16`, loaded while the global policy is
+  float32), and one whose layers compute in no float16 gets none (a float32
+  model loaded while the global policy is `mixed_float16`): either way the
+  saved optimizer state fits.
 
 A `LossScaleOptimizer` the user passes (Keras's or kmp's) is kept as it is.
 """
@@ -29,37 +32,59 @@ from kmp.patches import registry
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 
 
-def computes_in_float16(model):
-    """Whether any layer of `model` computes in float16 (None: no layers)."""
-    layers = [
-        layer
+def _layer_policies(model):
+    return [
+        layer.dtype_policy
         for layer in model._flatten_layers(include_self=False)
         if not isinstance(layer, keras.layers.InputLayer)
     ]
-    if not layers:
+
+
+def computes_in_float16(model):
+    """Whether any layer of `model` computes in float16 (None: no layers)."""
+    policies = _layer_policies(model)
+    if not policies:
         return None
     return any(
-        getattr(layer.dtype_policy, "compute_dtype", None) == "float16"
-        for layer in layers
+        getattr(policy, "compute_dtype", None) == "float16"
+        for policy in policies
     )
+
+
+def _has_mixed_float16_layers(model) -> bool:
+    return any(
+        getattr(policy, "name", None) == "mixed_float16"
+        for policy in _layer_policies(model)
+    )
+
+
+def _kmp_wrapper(inner, name):
+    wrapper = optimizer_module.LossScaleOptimizer(inner, name=name)
+    wrapper.keras_file_layout = True
+    return wrapper
 
 
 def compile(original, self, *args, **kwargs):  # noqa: A001 - Keras's name.
     """Keras's `Model.compile`; its own loss-scale wrapper becomes kmp's."""
     arguments = inspect.signature(original).bind(self, *args, **kwargs)
     given = arguments.arguments.get("optimizer", "rmsprop")
+    automatic = arguments.arguments.get("auto_scale_loss", True)
     original(self, *args, **kwargs)
     chosen = getattr(self, "optimizer", None)
-    if type(chosen) is not _KerasLossScaleOptimizer or chosen is given:
+    if chosen is None or not automatic:
         return
-    if computes_in_float16(self) is False:
-        self.optimizer = chosen.inner_optimizer
-        return
-    wrapper = optimizer_module.LossScaleOptimizer(
-        chosen.inner_optimizer, name=chosen.name
-    )
-    wrapper.keras_file_layout = True
-    self.optimizer = wrapper
+    if type(chosen) is _KerasLossScaleOptimizer and chosen is not given:
+        # Keras wrapped it: the model's own policy is mixed_float16.
+        if computes_in_float16(self) is False:
+            self.optimizer = chosen.inner_optimizer
+        else:
+            self.optimizer = _kmp_wrapper(chosen.inner_optimizer, chosen.name)
+    elif not isinstance(
+        chosen, _KerasLossScaleOptimizer
+    ) and _has_mixed_float16_layers(self):
+        # Keras looks at the model's policy only; a mixed_float16 model
+        # loaded while the global policy is float32 has float32 there.
+        self.optimizer = _kmp_wrapper(chosen, "loss_scale_optimizer")
 
 
 def _works() -> bool:

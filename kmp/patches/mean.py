@@ -15,11 +15,11 @@ count is known and exactly a bfloat16 number (every count up to 256, and
 e.g. 1024 = 32 x 32 or 784 = 28 x 28); the forward result is then Keras's.
 Its gradient is Keras's too, computed on the small upstream gradient: cast
 to float32, divided by the count, rounded to bfloat16 once, then broadcast
-in bfloat16. That is the same elementwise arithmetic as Keras's float32
-gradient followed by its cast, so TensorFlow's graph optimizer treats both
-alike (TensorFlow's own bfloat16 gradient divides in bfloat16, which its
-graph optimizer turns into a product by a rounded reciprocal: not
-bit-identical). Every other input (float16, float32, integers, sparse
+in bfloat16 - the same elementwise arithmetic as Keras's float32 gradient
+followed by its cast, eagerly, in graphs and under XLA. (TensorFlow's own
+bfloat16 gradient, which kmp used before, divides in bfloat16; in a graph
+TensorFlow's optimizer turns that into a product by a rounded reciprocal,
+which is not Keras's result.) Every other input (float16, float32, integers, sparse
 tensors, other counts) goes to Keras's `mean`. TensorFlow backend only.
 """
 

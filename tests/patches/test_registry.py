@@ -16,7 +16,7 @@ from kmp.core import backend
 from kmp.patches import registry
 
 ALL = ("global_policy", "compile", "dense", "recurrent", "mean")
-DEFAULTS = ("global_policy", "compile", "dense", "recurrent")
+DEFAULTS = ("global_policy", "compile", "dense", "recurrent", "mean")
 TENSORFLOW_ONLY = ("dense", "recurrent", "mean")
 
 
@@ -54,9 +54,8 @@ def test_available_lists_every_patch_with_its_kind():
     assert all(info.targets for info in infos.values() if info.applicable)
 
 
-def test_import_installs_the_defaults_and_mean_stays_off():
+def test_import_installs_the_defaults():
     assert patches.installed() == _expected_defaults()
-    assert "mean" not in patches.installed()
 
 
 def test_installed_functions_say_they_are_kmps_and_keep_keras_signature():
@@ -200,7 +199,7 @@ def test_a_behaviour_patch_that_fails_its_check_is_removed_and_raises(
         ("", DEFAULTS),
         ("default", DEFAULTS),
         ("none", ()),
-        ("-dense,-recurrent", ("global_policy", "compile")),
+        ("-dense,-recurrent", ("global_policy", "compile", "mean")),
         ("global_policy", ("global_policy",)),
         ("compile, mean", ("compile", "mean")),
     ],
@@ -209,7 +208,7 @@ def test_a_behaviour_patch_that_fails_its_check_is_removed_and_raises(
 def test_kmp_patches_environment_variable(monkeypatch, value, expected):
     monkeypatch.setenv(patches.ENVIRONMENT_VARIABLE, value)
     names = tuple(p.name for p in patches._from_environment())
-    applicable = [n for n in expected if n in _expected_defaults() + ("mean",)]
+    applicable = [n for n in expected if n in _expected_defaults()]
     if not backend.is_tensorflow():
         applicable = [n for n in applicable if n not in TENSORFLOW_ONLY]
     assert names == tuple(applicable)

@@ -16,15 +16,15 @@ import sys
 import textwrap
 import time
 
-import _reliability as rel
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import CPU_DEVICES
 
 import kmp
 from kmp.testing import GradientFaults
+from tests.conftest import CPU_DEVICES
+from tests.support import reliability as rel
 
 # A two-replica run all-reduces two half-batch gradient sums where the single
 # device sums the whole batch at once, so the results may differ in the last
@@ -368,8 +368,8 @@ _WORKER_SCRIPT = textwrap.dedent(
     import numpy as np
     import tensorflow as tf
     import keras
-    import _reliability as rel
     from kmp.testing import GradientFaults
+    from tests.support import reliability as rel
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     x, y = rel.make_data()
@@ -480,7 +480,7 @@ def test_multi_worker_fault_on_worker_1_skips_on_both(
 ):
     script = tmp_path / "worker.py"
     script.write_text(_WORKER_SCRIPT)
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
     ports = [_free_port(), _free_port()]
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
     for index in range(2):
@@ -496,7 +496,7 @@ def test_multi_worker_fault_on_worker_1_skips_on_both(
         ):
             worker_processes.append(
                 subprocess.Popen(
-                    [sys.executable, str(script), tests_dir],
+                    [sys.executable, str(script), os.path.abspath(root)],
                     env=env,
                     stdout=out,
                     stderr=err,

@@ -12,13 +12,13 @@ plain optimizer is loaded into a loss-scale one, and the reverse.
 
 import warnings
 
-import _reliability as rel
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import kmp
+from tests.support import reliability as rel
 
 EPOCHS = 4
 _reference_states = {}
@@ -59,7 +59,9 @@ def _state(model):
         "iterations": int(np.array(optimizer.iterations)),
         "skipped": int(optimizer.skipped_steps),
     }
-    return summary, [np.array(v).tobytes() for v in variables]
+    return summary, [
+        (v.path.split("/")[-1], np.array(v).tobytes()) for v in variables
+    ]
 
 
 def _reference(kind):
@@ -75,12 +77,27 @@ def _mixed_float16():
     kmp.set_global_policy("mixed_float16")
 
 
-def _assert_resumed_like_reference(model, kind):
+# kmp's own counters, which the optimizer `compile` makes does not write to
+# files (Keras's layout, so Keras without kmp loads them).
+_SKIP_COUNTS = ("skipped_steps", "consecutive_skips")
+
+
+def _assert_resumed_like_reference(model, kind, through_keras_file=False):
     summary, variables = _state(model)
     reference_summary, reference_variables = _reference(kind)
-    assert summary == reference_summary
+    summary, reference_summary = dict(summary), dict(reference_summary)
     assert len(variables) == len(reference_variables)
-    assert variables == reference_variables
+    if through_keras_file and kind == "auto":
+        # Changed on purpose: the skip counts restart from 0 on loading; the
+        # scale, counter, iterations, weights and slots are still exact.
+        assert summary.pop("skipped") <= reference_summary.pop("skipped")
+        variables = [v for v in variables if v[0] not in _SKIP_COUNTS]
+        reference_variables = [
+            v for v in reference_variables if v[0] not in _SKIP_COUNTS
+        ]
+    assert summary == reference_summary
+    # Slot names follow the model's, which differ: compare values in order.
+    assert [v[1] for v in variables] == [v[1] for v in reference_variables]
 
 
 def test_reference_runs_exercise_the_loss_scale():
@@ -129,7 +146,7 @@ def test_backup_and_restore_resumes_bit_identically(kind, tmp_path):
         EPOCHS,
         callbacks=[keras.callbacks.BackupAndRestore(backup_dir)],
     )
-    _assert_resumed_like_reference(resumed, kind)
+    _assert_resumed_like_reference(resumed, kind, through_keras_file=True)
 
 
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
@@ -159,9 +176,13 @@ def test_save_and_load_model_resumes_bit_identically(kind, tmp_path):
 
     loaded = keras.saving.load_model(path)
     assert isinstance(loaded.optimizer, kmp.LossScaleOptimizer)
-    assert _state(loaded)[0] == summary
+    loaded_summary = _state(loaded)[0]
+    if kind == "auto":  # The skip counts are not in the file: see above.
+        assert loaded_summary.pop("skipped") == 0
+        summary.pop("skipped")
+    assert loaded_summary == summary
     _fit(loaded, EPOCHS - 2)
-    _assert_resumed_like_reference(loaded, kind)
+    _assert_resumed_like_reference(loaded, kind, through_keras_file=True)
 
 
 # --- Plain optimizer <-> loss-scale optimizer ---------------------------------
@@ -252,10 +273,9 @@ def test_load_model_keeps_a_plain_optimizers_state_under_mixed_float16(
     """A float32 model saved with plain Adam and loaded while the global
     policy is mixed_float16 must come back with its Adam state (iterations
     and slots), whether or not loss scaling is added around it. Keras does
-    not save `auto_scale_loss`, so compile_from_config wraps the optimizer
-    (kmp's compile hook then makes it kmp's) and the saved Adam state no
-    longer matches: today it is dropped with a "Skipping variable loading"
-    warning (reported to the lead)."""
+    not save `auto_scale_loss`, so compile_from_config would wrap the
+    optimizer and the saved Adam state would no longer match; kmp's compile
+    patch adds no loss scaling to a model without float16 layers."""
     with kmp.policy_scope("float32"):
         model = _build_plain_or_kmp("plain")
     _fit(model, 1)

@@ -11,7 +11,6 @@ scale rule.
 
 import math
 
-import _reliability as rel
 import keras
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ from hypothesis import strategies as st
 import kmp
 from kmp.testing import GradientFaults
 from kmp.testing import OverflowAt
+from tests.support import reliability as rel
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -265,6 +265,8 @@ def _compiled_optimizer(initial_scale, growth_steps):
     for state in optimizer.variables:
         if state.path.endswith("dynamic_scale"):
             state.assign(initial_scale)
+        elif state.path.endswith("hysteresis_left"):
+            state.assign(1)  # The rule's hysteresis, 1 by default.
         elif state.dtype == "int64":
             state.assign(0)  # Counters and iterations.
     return variable, optimizer, lambda g: step(tf.constant(g))

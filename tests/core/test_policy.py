@@ -1,5 +1,11 @@
-"""Tests for kmp.policy: the import surface, `Policy` and the global policy."""
+"""Tests for kmp.core.policy: `Policy`, the global policy and `policy_scope`.
 
+What the `global_policy` patch adds (a policy seen by every thread) is tested
+in tests/patches/test_global_policy.py; the import surface in
+tests/test_package.py.
+"""
+
+import asyncio
 import re
 import threading
 
@@ -7,18 +13,14 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from keras.src.backend.common import global_state as keras_global_state
+from hypothesis import given
+from hypothesis import strategies as st
 
 import kmp
-from kmp import mixed_precision
-
-PUBLIC_NAMES = (
-    "LossScaleOptimizer",
-    "Policy",
-    "global_policy",
-    "policy_scope",
-    "set_global_policy",
-)
+from kmp.core.policy import POLICY_NAMES
+from tests.support.fuzzing import FUZZ
+from tests.support.fuzzing import call_expecting_clean_error
+from tests.support.fuzzing import junk
 
 # name -> (compute dtype, variable dtype)
 POLICY_DTYPES = {
@@ -74,30 +76,6 @@ def _run_in_thread(function):
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
-
-
-# --- Import surface ----------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", PUBLIC_NAMES)
-def test_mixed_precision_reexports_the_same_object(name):
-    assert getattr(mixed_precision, name) is getattr(kmp, name)
-
-
-def test_all_lists_the_public_names():
-    assert set(PUBLIC_NAMES) <= set(kmp.__all__)
-    tools = {"__version__", "audit", "AuditReport", "callbacks", "convert"}
-    tools |= {"dense", "FusedAdam", "mean", "mixed_precision", "recurrent"}
-    tools |= {"summary"}
-    assert set(kmp.__all__) - set(PUBLIC_NAMES) == tools
-    assert sorted(mixed_precision.__all__) == sorted(PUBLIC_NAMES)
-    for name in kmp.__all__:
-        assert hasattr(kmp, name)
-
-
-def test_version_is_set():
-    assert isinstance(kmp.__version__, str)
-    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", kmp.__version__)
 
 
 # --- Policy ------------------------------------------------------------------
@@ -315,77 +293,6 @@ def test_global_policy_rejects_unsupported_policy_set_through_keras():
         kmp.global_policy()
 
 
-# --- Process-wide global policy ----------------------------------------------
-
-
-def test_policy_is_seen_by_layers_built_in_another_thread():
-    kmp.set_global_policy("mixed_float16")
-
-    def build():
-        # Keras keeps its global policy per thread: this thread has none of
-        # its own, so without kmp the layer would be float32.
-        keras_own = keras_global_state.get_global_attribute("dtype_policy")
-        layer = keras.layers.Dense(2)
-        return keras_own, layer.dtype_policy.name, kmp.global_policy().name
-
-    keras_own, layer_policy, global_name = _run_in_thread(build)
-    assert keras_own is None
-    assert layer_policy == "mixed_float16"
-    assert global_name == "mixed_float16"
-
-
-def test_policy_set_in_another_thread_is_seen_in_main_thread():
-    _run_in_thread(lambda: kmp.set_global_policy("mixed_bfloat16"))
-    assert kmp.global_policy().name == "mixed_bfloat16"
-    assert keras.layers.Dense(2).dtype_policy.name == "mixed_bfloat16"
-
-
-def test_policy_set_through_keras_in_another_thread_is_process_wide():
-    _run_in_thread(lambda: keras.config.set_dtype_policy("mixed_float16"))
-    assert kmp.global_policy().name == "mixed_float16"
-    assert keras.layers.Dense(2).dtype_policy.name == "mixed_float16"
-
-
-def test_policy_is_seen_inside_replica_function(two_replicas):
-    kmp.set_global_policy("mixed_float16")
-    seen = []
-
-    def replica_fn(inputs):
-        layer = keras.layers.Activation("linear")
-        seen.append(
-            (
-                threading.get_ident(),
-                layer.dtype_policy.name,
-                kmp.global_policy().name,
-            )
-        )
-        return layer(inputs)
-
-    outputs = two_replicas.run(replica_fn, args=(tf.ones((2,)),))
-    assert len(seen) == 2
-    assert any(ident != threading.get_ident() for ident, _, _ in seen)
-    assert [entry[1:] for entry in seen] == [
-        ("mixed_float16", "mixed_float16")
-    ] * 2
-    for output in two_replicas.experimental_local_results(outputs):
-        assert output.dtype == tf.float16
-
-
-def test_clear_session_keeps_the_policy():
-    kmp.set_global_policy("mixed_bfloat16")
-    keras.backend.clear_session()
-    assert kmp.global_policy().name == "mixed_bfloat16"
-    assert keras.config.dtype_policy().name == "mixed_bfloat16"
-    assert keras.layers.Dense(2).dtype_policy.name == "mixed_bfloat16"
-
-
-def test_clear_session_keeps_a_policy_set_through_keras():
-    keras.config.set_dtype_policy("mixed_float16")
-    keras.backend.clear_session()
-    assert kmp.global_policy().name == "mixed_float16"
-    assert keras.layers.Dense(2).dtype_policy.name == "mixed_float16"
-
-
 # --- policy_scope ------------------------------------------------------------
 
 
@@ -444,15 +351,101 @@ def test_policy_scope_restores_a_policy_set_through_keras():
     assert keras.config.dtype_policy().name == "mixed_float16"
 
 
-def test_policy_scope_is_process_wide():
+def test_policy_scope_holds_only_in_its_own_thread():
+    # Changed on purpose: a scope used to be process-wide; now other threads
+    # keep seeing the process-wide policy while it is open.
     kmp.set_global_policy("float64")
 
     def read_policy():
-        return keras.layers.Dense(2).dtype_policy.name
+        return keras.layers.Dense(2).dtype_policy.name, kmp.global_policy().name
 
     with kmp.policy_scope("mixed_float16"):
-        assert _run_in_thread(read_policy) == "mixed_float16"
-    assert _run_in_thread(read_policy) == "float64"
+        assert _run_in_thread(read_policy) == ("float64", "float64")
+        assert read_policy() == ("mixed_float16", "mixed_float16")
+    assert _run_in_thread(read_policy) == ("float64", "float64")
+    assert read_policy() == ("float64", "float64")
+
+
+def test_overlapping_scopes_in_two_threads_each_see_their_own():
+    kmp.set_global_policy("float64")
+    inside = threading.Barrier(2)
+    seen = {}
+
+    def scoped(name):
+        def run():
+            with kmp.policy_scope(name):
+                inside.wait(timeout=30)  # Both scopes are open now.
+                seen[name] = keras.layers.Dense(2).dtype_policy.name
+                inside.wait(timeout=30)
+            return kmp.global_policy().name
+
+        return run
+
+    threads = [
+        threading.Thread(target=scoped(name))
+        for name in ("mixed_float16", "mixed_bfloat16")
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen == {
+        "mixed_float16": "mixed_float16",
+        "mixed_bfloat16": "mixed_bfloat16",
+    }
+    # Nothing is left behind once both have exited.
+    assert kmp.global_policy().name == "float64"
+    assert _run_in_thread(lambda: kmp.global_policy().name) == "float64"
+
+
+def test_overlapping_scopes_in_two_asyncio_tasks_each_see_their_own():
+    seen = {}
+
+    async def scoped(name, entered, other_entered):
+        with kmp.policy_scope(name):
+            entered.set()
+            await other_entered.wait()  # The other task's scope is open.
+            seen[name] = kmp.global_policy().name
+
+    async def main():
+        first, second = asyncio.Event(), asyncio.Event()
+        await asyncio.gather(
+            scoped("mixed_float16", first, second),
+            scoped("mixed_bfloat16", second, first),
+        )
+
+    asyncio.run(main())
+    assert seen == {
+        "mixed_float16": "mixed_float16",
+        "mixed_bfloat16": "mixed_bfloat16",
+    }
+    assert kmp.global_policy().name == "float32"
+
+
+def test_one_policy_scope_may_be_entered_again():
+    scope = kmp.policy_scope("mixed_bfloat16")
+    for _ in range(2):
+        with scope as policy:
+            assert policy == kmp.Policy("mixed_bfloat16")
+            assert kmp.global_policy().name == "mixed_bfloat16"
+        assert kmp.global_policy().name == "float32"
+    with scope:
+        with kmp.policy_scope("float64"):
+            with scope:  # Also while inside it.
+                assert kmp.global_policy().name == "mixed_bfloat16"
+            assert kmp.global_policy().name == "float64"
+        assert kmp.global_policy().name == "mixed_bfloat16"
+    assert kmp.global_policy().name == "float32"
+
+
+def test_set_global_policy_inside_a_scope_ends_with_the_scope():
+    kmp.set_global_policy("float64")
+    with kmp.policy_scope("mixed_float16"):
+        kmp.set_global_policy("mixed_bfloat16")
+        assert kmp.global_policy().name == "mixed_bfloat16"
+        assert keras.layers.Dense(2).dtype_policy.name == "mixed_bfloat16"
+    assert kmp.global_policy().name == "float64"
+    assert keras.layers.Dense(2).dtype_policy.name == "float64"
 
 
 def test_set_global_policy_message_lists_every_accepted_kind():
@@ -493,3 +486,97 @@ def test_policy_scope_rejects_non_string(policy):
             entered = True
     assert not entered
     assert kmp.global_policy().name == "mixed_bfloat16"
+
+
+# --- Fuzzing: bad input gets a clean error and changes nothing ---------------
+
+
+@FUZZ
+@given(name=junk().filter(lambda v: not isinstance(v, str)) | st.text())
+def test_policy_rejects_anything_but_a_policy_name(name):
+    if isinstance(name, str) and name in POLICY_NAMES:
+        assert kmp.Policy(name).name == name
+        return
+    error = call_expecting_clean_error(lambda: kmp.Policy(name), name)
+    assert error is not None
+    assert isinstance(error, ValueError if isinstance(name, str) else TypeError)
+    assert "mixed_float16" in str(error)  # It lists what is allowed.
+
+
+@FUZZ
+@given(
+    start=st.sampled_from(POLICY_NAMES),
+    config=st.one_of(
+        junk(),
+        st.dictionaries(
+            st.sampled_from(["name", "Name", "config", "dtype"]),
+            junk() | st.sampled_from(POLICY_NAMES),
+            max_size=3,
+        ),
+    ),
+)
+def test_policy_from_config_rejects_bad_configs(start, config):
+    kmp.set_global_policy(start)
+    valid = (
+        isinstance(config, dict)
+        and set(config) == {"name"}
+        and isinstance(config["name"], str)
+        and config["name"] in POLICY_NAMES
+    )
+    if valid:
+        assert kmp.Policy.from_config(config).name == config["name"]
+    else:
+        bad = config
+        if isinstance(config, dict) and set(config) == {"name"}:
+            bad = config["name"]
+        error = call_expecting_clean_error(
+            lambda: kmp.Policy.from_config(config), bad
+        )
+        assert error is not None
+    assert kmp.global_policy().name == start
+
+
+@FUZZ
+@given(
+    start=st.sampled_from(POLICY_NAMES),
+    policy=junk().filter(lambda v: v is not None),
+)
+def test_set_global_policy_rejects_bad_policies_and_changes_nothing(
+    start, policy
+):
+    kmp.set_global_policy(start)
+    if isinstance(policy, str) and policy in POLICY_NAMES:
+        return
+    error = call_expecting_clean_error(
+        lambda: kmp.set_global_policy(policy), policy
+    )
+    assert error is not None
+    assert kmp.global_policy().name == start
+    assert keras.config.dtype_policy().name == start
+
+
+@FUZZ
+@given(
+    outer=st.sampled_from(POLICY_NAMES),
+    inner=junk().filter(lambda v: v is not None),
+)
+def test_policy_scope_rejects_bad_policies_and_changes_nothing(outer, inner):
+    if isinstance(inner, str) and inner in POLICY_NAMES:
+        return
+
+    def enter_bad_scope():
+        with kmp.policy_scope(inner):
+            pytest.fail("the block of a bad policy_scope ran")
+
+    with kmp.policy_scope(outer):
+        error = call_expecting_clean_error(enter_bad_scope, inner)
+        assert error is not None
+        assert kmp.global_policy().name == outer
+    assert kmp.global_policy().name == "float32"
+
+
+def test_policy_scope_restores_after_the_block_raises_value_error():
+    with pytest.raises(ValueError, match="inside"):
+        with kmp.policy_scope("mixed_float16"):
+            raise ValueError("inside")
+    assert kmp.global_policy().name == "float32"

@@ -1,7 +1,7 @@
-"""Tests for kmp/dense.py: float32 Dense layers keep a low-precision input.
+"""Tests for the `dense` patch: float32 Dense layers keep a low-precision input.
 
-Each result is compared bit for bit with Keras's own `Dense.call` (kmp's
-method uninstalled): outputs, the gradient of every variable and of the
+Each result is compared bit for bit with Keras's own `Dense.call` (the patch
+uninstalled): outputs, the gradient of every variable and of the
 input. The graph tests check the point of it: no gradient op reads the
 float32 copy of the low-precision input.
 """
@@ -12,24 +12,19 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp import dense
+from kmp.patches import dense
 
 
-@pytest.fixture(autouse=True)
-def _restore_installation():
-    was_installed = dense.is_installed()
-    yield
-    if was_installed:
-        dense.install()
-    else:
-        dense.uninstall()
+def _is_installed():
+    return "dense" in kmp.patches.installed()
 
 
 def _set_installed(installed):
+    # The autouse fixture in conftest.py puts the patches back afterwards.
     if installed:
-        dense.install()
+        kmp.patches.install("dense")
     else:
-        dense.uninstall()
+        kmp.patches.uninstall("dense")
 
 
 def _model(policy, *, activation=None, use_bias=True, features=24):
@@ -383,20 +378,35 @@ def test_exported_model_serves_the_same_outputs(tmp_path):
     np.testing.assert_array_equal(restored.serve(x).numpy(), expected)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_input_gradient_is_the_matmul_gradient_cast_to_the_input_dtype(dtype):
+    # What benchmarks/memory_breakdown.py overrides (was
+    # kmp.dense._input_gradient).
+    rng = np.random.default_rng(4)
+    upstream = tf.constant(rng.normal(size=(16, 10)).astype("float32"))
+    kernel = tf.constant(rng.normal(size=(24, 10)).astype("float32"))
+    gradient = dense.input_gradient(upstream, kernel, tf.as_dtype(dtype))
+    assert gradient.dtype == tf.as_dtype(dtype)
+    expected = tf.cast(tf.matmul(upstream, kernel, transpose_b=True), dtype)
+    np.testing.assert_array_equal(gradient.numpy(), expected.numpy())
+
+
 def test_install_is_idempotent_and_uninstall_restores_keras():
-    dense.uninstall()
+    _set_installed(False)
     keras_call = keras.layers.Dense.call
-    dense.install()
-    dense.install()
-    assert dense.is_installed()
-    assert keras.layers.Dense.call is dense._call
-    dense.uninstall()
-    dense.uninstall()
-    assert not dense.is_installed()
+    assert not hasattr(keras_call, "__kmp_patch__")
+    _set_installed(True)
+    _set_installed(True)
+    assert _is_installed()
+    assert keras.layers.Dense.call.__kmp_patch__ == "dense"
+    assert keras.layers.Dense.call.__kmp_original__ is keras_call
+    _set_installed(False)
+    _set_installed(False)
+    assert not _is_installed()
     assert keras.layers.Dense.call is keras_call
 
 
 def test_importing_kmp_installs_it():
     # The autouse fixture restores the state each test found.
-    assert dense.is_installed()
-    assert keras.layers.Dense.call is dense._call
+    assert _is_installed()
+    assert keras.layers.Dense.call.__kmp_patch__ == "dense"

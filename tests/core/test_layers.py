@@ -1,4 +1,8 @@
-"""Tests for Keras layers under kmp policies: casting, variables, saving."""
+"""Keras layers under kmp policies: casting, variables, saving.
+
+The contract's "Layers under a policy": Keras does all of it; these tests pin
+it down with kmp's policies (`kmp.Policy`, `kmp.set_global_policy`).
+"""
 
 import keras
 import numpy as np

@@ -9,8 +9,9 @@ behaviour fails here.
 
 import re
 
-import _scripts
 import pytest
+
+from tests.support import scripts
 
 FOLDER = "guides"
 SMALL = "KMP_GUIDE_SMALL"
@@ -20,15 +21,15 @@ PORTING = pytest.mark.parametrize("script", ["porting.py"])
 
 @pytest.fixture(scope="module", autouse=True)
 def _start_guides(request):
-    _scripts.start_selected(request, FOLDER, SMALL)
+    scripts.start_selected(request, FOLDER, SMALL)
     yield
-    _scripts.cancel_waiting()
+    scripts.cancel_waiting()
 
 
 @pytest.fixture
 def out(script):
     """The stdout of the guide named by the test's `script` parameter."""
-    return _scripts.output_of(f"{FOLDER}/{script}", SMALL)
+    return scripts.output_of(f"{FOLDER}/{script}", SMALL)
 
 
 def number_after(text: str, label: str) -> float:
@@ -77,7 +78,8 @@ def test_mixed_precision_ranges_are_computed(out):
 def test_mixed_precision_model_output_is_float32_and_fit_learns(out):
     assert "activation: policy float32, computes in float32" in out
     assert "output dtype: float32" in out
-    assert "optimizer: kmp.optimizer.LossScaleOptimizer" in out
+    # The module moved with the restructuring (was kmp.optimizer).
+    assert "optimizer: kmp.core.optimizer.LossScaleOptimizer" in out
     before, after = losses(out, "fit: ")
     assert after < before
 

@@ -13,7 +13,7 @@ import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT_SECONDS = 300
 
 _pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)

@@ -1,7 +1,7 @@
-"""Tests for kmp.recurrent: recurrent weights cast once per call, not per step.
+"""Tests for the `recurrent` patch: weights cast once per call, not per step.
 
 Every comparison runs the same layer (same seed, same weights) with Keras's
-own time loop and with `kmp.recurrent` installed, and asserts that outputs
+own time loop and with the patch installed, and asserts that outputs
 and gradients are bit-identical.
 """
 
@@ -14,7 +14,7 @@ import tensorflow as tf
 from keras.src.layers.rnn import rnn as keras_rnn
 
 import kmp
-from kmp import recurrent
+from kmp.patches import recurrent
 
 LAYERS = {
     "lstm": keras.layers.LSTM,
@@ -33,15 +33,8 @@ OPTIONS = {
 MODES = ["eager", "tf_function"]
 
 
-@pytest.fixture(autouse=True)
-def _restore_installation():
-    """Leaves `kmp.recurrent` installed (or not) as the test found it."""
-    was_installed = recurrent.is_installed()
-    was_exact = recurrent._exact
-    yield
-    recurrent.uninstall()
-    if was_installed:
-        recurrent.install(exact=was_exact)
+def _is_installed():
+    return "recurrent" in kmp.patches.installed()
 
 
 def _inputs():
@@ -51,10 +44,12 @@ def _inputs():
 
 
 def _set_installed(installed, exact=True):
+    # The autouse fixture in conftest.py puts the patch and its setting back.
     if installed:
-        recurrent.install(exact=exact)
+        kmp.patches.install("recurrent")
+        recurrent.set_exact(exact)
     else:
-        recurrent.uninstall()
+        kmp.patches.uninstall("recurrent")
 
 
 def _run(layer_name, installed, mode="tf_function", exact=True, **options):
@@ -207,9 +202,9 @@ def test_inexact_mode_same_outputs_close_gradients():
 @pytest.mark.parametrize("layer_name", list(LAYERS))
 def test_loop_body_reads_and_casts_nothing(layer_name):
     kmp.set_global_policy("mixed_bfloat16")
-    recurrent.uninstall()
+    _set_installed(False)
     keras_bodies = _loop_graphs(_training_graph(layer_name))
-    recurrent.install()
+    _set_installed(True)
     kmp_bodies = _loop_graphs(_training_graph(layer_name))
 
     def forward_counts(bodies, op_type):
@@ -228,9 +223,9 @@ def test_loop_body_reads_and_casts_nothing(layer_name):
 
 @pytest.mark.parametrize("layer_name", list(LAYERS))
 def test_float32_graph_unchanged(layer_name):
-    recurrent.uninstall()
+    _set_installed(False)
     keras_counts = _all_op_counts(_training_graph(layer_name))
-    recurrent.install()
+    _set_installed(True)
     kmp_counts = _all_op_counts(_training_graph(layer_name))
     assert kmp_counts == keras_counts
     assert keras_counts["IdentityN"] == 0
@@ -238,9 +233,9 @@ def test_float32_graph_unchanged(layer_name):
 
 def test_variables_in_compute_dtype_are_left_alone():
     kmp.set_global_policy("float16")
-    recurrent.uninstall()
+    _set_installed(False)
     keras_counts = _all_op_counts(_training_graph("lstm"))
-    recurrent.install()
+    _set_installed(True)
     assert _all_op_counts(_training_graph("lstm")) == keras_counts
 
 
@@ -256,7 +251,7 @@ def test_custom_cell_keeps_keras_loop():
             return output, [output]
 
     kmp.set_global_policy("mixed_bfloat16")
-    recurrent.install()
+    _set_installed(True)
     layer = keras.layers.RNN(Cell())
     inputs = _inputs()
     layer.build(inputs.shape)
@@ -270,22 +265,24 @@ def test_custom_cell_keeps_keras_loop():
 
 
 def test_install_is_idempotent_and_uninstall_restores_keras():
-    recurrent.uninstall()
+    _set_installed(False)
     keras_inner_loop = keras_rnn.RNN.inner_loop
-    assert not recurrent.is_installed()
-    recurrent.install()
-    recurrent.install()
-    assert recurrent.is_installed()
+    assert not _is_installed()
+    _set_installed(True)
+    _set_installed(True)
+    assert _is_installed()
     assert keras_rnn.RNN.inner_loop is not keras_inner_loop
-    recurrent.uninstall()
-    recurrent.uninstall()
-    assert not recurrent.is_installed()
+    assert keras_rnn.RNN.inner_loop.__kmp_original__ is keras_inner_loop
+    _set_installed(False)
+    _set_installed(False)
+    assert not _is_installed()
     assert keras_rnn.RNN.inner_loop is keras_inner_loop
 
 
-def test_install_rejects_non_bool_exact():
+def test_set_exact_rejects_non_bool_exact():
     with pytest.raises(TypeError, match="'exact' must be True or False"):
-        recurrent.install(exact="yes")
+        recurrent.set_exact("yes")
+    assert recurrent._settings.exact is True
 
 
 # --- Distribution and saving --------------------------------------------------
@@ -327,11 +324,11 @@ def test_same_training_step_under_mirrored_strategy(two_replicas):
 def test_config_and_saved_model_unchanged(tmp_path):
     kmp.set_global_policy("mixed_bfloat16")
     inputs = _inputs()
-    recurrent.uninstall()
+    _set_installed(False)
     model = _model()
     config = model.get_config()
     expected = model(inputs).numpy()
-    recurrent.install()
+    _set_installed(True)
     assert model.get_config() == config
     model.save(tmp_path / "model.keras")
     model.export(tmp_path / "saved_model")
@@ -344,5 +341,6 @@ def test_config_and_saved_model_unchanged(tmp_path):
 def test_importing_kmp_installs_it():
     # The autouse fixture restores whatever a test changed, so at the start
     # of a test the state is the one importing kmp left.
-    assert recurrent.is_installed()
-    assert keras_rnn.RNN.inner_loop is recurrent._inner_loop
+    assert _is_installed()
+    assert keras_rnn.RNN.inner_loop.__kmp_patch__ == "recurrent"
+    assert recurrent._settings.exact is True

@@ -9,8 +9,9 @@ printed: the dtypes, the loss scales, and that training lowered the loss.
 import math
 import re
 
-import _scripts
 import pytest
+
+from tests.support import scripts
 
 FOLDER = "examples"
 SMALL = "KMP_EXAMPLE_SMALL"
@@ -18,15 +19,15 @@ SMALL = "KMP_EXAMPLE_SMALL"
 
 @pytest.fixture(scope="module", autouse=True)
 def _start_examples(request):
-    _scripts.start_selected(request, FOLDER, SMALL)
+    scripts.start_selected(request, FOLDER, SMALL)
     yield
-    _scripts.cancel_waiting()
+    scripts.cancel_waiting()
 
 
 @pytest.fixture
 def out(script):
     """The stdout of the example named by the test's `script` parameter."""
-    return _scripts.output_of(f"{FOLDER}/{script}", SMALL)
+    return scripts.output_of(f"{FOLDER}/{script}", SMALL)
 
 
 def went_from(text: str, what: str):
@@ -49,7 +50,7 @@ def test_every_example_is_tested():
     }
     shared = {"digits.py"}  # The data and model the examples import.
     assert {
-        path.name for path in (_scripts.ROOT / FOLDER).glob("*.py")
+        path.name for path in (scripts.ROOT / FOLDER).glob("*.py")
     } == tested | shared
 
 

@@ -1,0 +1,375 @@
+"""Tests for kmp.core.loss_scale: the dynamic loss-scale rule on plain numbers.
+
+Each test walks `ScaleRule.next` one step at a time and checks
+`(scale, counter, hysteresis_left)` after every step, against the
+pseudo-code in the module docstring.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+
+from kmp.core import loss_scale
+from kmp.core.loss_scale import ScaleRule
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _walk(scale, growth_steps, finite_steps, **settings):
+    """Applies the rule once per entry of `finite_steps`.
+
+    Returns:
+        The `(scale, counter)` after each step, as Python numbers (with
+        `hysteresis_left` too when `settings` set a hysteresis).
+    """
+    rule = ScaleRule(growth_steps=growth_steps, **settings)
+    state = rule.initial_state(scale)
+    states = []
+    for finite in finite_steps:
+        state = rule.next(state, finite)
+        scale, counter, left = state
+        if "hysteresis" in settings:
+            states.append((float(scale), int(counter), int(left)))
+        else:
+            assert int(left) == 1
+            states.append((float(scale), int(counter)))
+    return states
+
+
+def _reference_rule(rule, state, finite):
+    """The docstring's pseudo-code, in plain Python with float32 rounding."""
+    scale, counter, left = state
+    scale = np.float32(scale)
+    if finite:
+        counter += 1
+        if counter >= rule.growth_steps:
+            with np.errstate(over="ignore"):
+                grown = scale * np.float32(rule.growth_factor)
+            if grown <= np.float32(rule.max_scale):
+                scale = grown
+            counter = 0
+            left = rule.hysteresis
+    else:
+        counter = 0
+        if left <= 1:
+            backed_off = scale * np.float32(rule.backoff_factor)
+            scale = max(backed_off, np.float32(rule.min_scale))
+        else:
+            left -= 1
+    return scale, counter, left
+
+
+def test_constants():
+    assert loss_scale.DEFAULT_INITIAL_SCALE == 2.0**15
+    assert loss_scale.DEFAULT_GROWTH_STEPS == 2000
+    assert loss_scale.DEFAULT_GROWTH_FACTOR == 2.0
+    assert loss_scale.DEFAULT_BACKOFF_FACTOR == 0.5
+    assert loss_scale.DEFAULT_MIN_SCALE == 1.0
+    assert loss_scale.MAX_SCALE == FLOAT32_MAX
+    assert loss_scale.MAX_INT == 2**31 - 1
+    rule = ScaleRule()
+    assert (rule.growth_steps, rule.growth_factor, rule.backoff_factor) == (
+        2000,
+        2.0,
+        0.5,
+    )
+    assert (rule.min_scale, rule.max_scale, rule.hysteresis) == (
+        1.0,
+        FLOAT32_MAX,
+        1,
+    )
+
+
+def test_returns_float32_and_int32_scalars_for_python_numbers():
+    rule = ScaleRule(growth_steps=2)
+    scale, counter, left = rule.next((8.0, 0, 1), True)
+    assert scale.dtype == tf.float32 and scale.shape == ()
+    assert counter.dtype == tf.int32 and counter.shape == ()
+    assert left.dtype == tf.int32 and left.shape == ()
+
+
+@pytest.mark.parametrize(
+    "make_counter",
+    [
+        pytest.param(
+            lambda: tf.constant(1, tf.int64),
+        ),
+        pytest.param(
+            lambda: tf.Variable(1, dtype=tf.int64),
+        ),
+        lambda: keras.Variable(1, dtype="int64"),
+    ],
+    ids=["tf_tensor", "tf_variable", "keras_variable"],
+)
+def test_returns_integer_scalars_of_the_counters_dtype(make_counter):
+    # The old rule always returned int64; the new one keeps the counter's.
+    scale, counter, left = ScaleRule(growth_steps=3).next(
+        (8.0, make_counter(), 1), True
+    )
+    assert scale.dtype == tf.float32
+    assert counter.dtype == left.dtype == tf.int64
+    assert (int(counter), int(left)) == (2, 1)
+
+
+@pytest.mark.parametrize(
+    "growth_steps, expected",
+    [
+        (1, [(16.0, 0), (32.0, 0), (64.0, 0)]),
+        (2, [(8.0, 1), (16.0, 0), (16.0, 1), (32.0, 0)]),
+        (3, [(8.0, 1), (8.0, 2), (16.0, 0), (16.0, 1), (16.0, 2), (32.0, 0)]),
+    ],
+    ids=["growth_1", "growth_2", "growth_3"],
+)
+def test_grows_after_growth_steps_finite_steps(growth_steps, expected):
+    states = _walk(8.0, growth_steps, [True] * len(expected))
+    assert states == expected
+
+
+def test_non_finite_step_halves_and_resets_counter():
+    states = _walk(64.0, 3, [True, True, False, True, False, False])
+    assert states == [
+        (64.0, 1),
+        (64.0, 2),
+        (32.0, 0),  # the overflow resets a counter that was about to grow
+        (32.0, 1),
+        (16.0, 0),
+        (8.0, 0),
+    ]
+
+
+def test_halving_stops_at_one():
+    states = _walk(4.0, 2, [False] * 4 + [True, True])
+    assert states == [
+        (2.0, 0),
+        (1.0, 0),
+        (1.0, 0),
+        (1.0, 0),
+        (1.0, 1),
+        (2.0, 0),
+    ]
+
+
+def test_halving_stops_at_one_from_a_non_power_of_two():
+    states = _walk(3.0, 5, [False, False, False])
+    assert states == [(1.5, 0), (1.0, 0), (1.0, 0)]
+
+
+def test_scale_below_floor_is_never_produced_on_overflow():
+    scale, counter, _ = ScaleRule(growth_steps=10).next((1.0, 7, 1), False)
+    assert (float(scale), int(counter)) == (1.0, 0)
+
+
+def test_growth_stops_at_largest_finite_float32():
+    states = _walk(2.0**126, 1, [True, True, True])
+    # Doubling 2**127 would give inf: the scale stays, the counter restarts.
+    assert states == [(2.0**127, 0), (2.0**127, 0), (2.0**127, 0)]
+    assert np.isfinite(states[-1][0])
+
+
+def test_growth_from_float32_max_stays_finite():
+    states = _walk(FLOAT32_MAX, 2, [True, True, False])
+    assert states == [
+        (FLOAT32_MAX, 1),
+        (FLOAT32_MAX, 0),
+        (float(np.float32(FLOAT32_MAX) / np.float32(2)), 0),
+    ]
+
+
+def test_accepts_tensors_and_variables():
+    scale = tf.Variable(8.0)
+    counter = tf.Variable(1, dtype=tf.int64)
+    left = tf.Variable(1, dtype=tf.int64)
+    new_scale, new_counter, new_left = ScaleRule(growth_steps=2).next(
+        (scale, counter, left), tf.constant(True)
+    )
+    assert (float(new_scale), int(new_counter), int(new_left)) == (16.0, 0, 1)
+
+
+# --- The settings beyond tf.keras's rule --------------------------------------
+
+
+def test_growth_and_backoff_factors_and_bounds():
+    states = _walk(
+        8.0,
+        1,
+        [True, True, True, False, False, False],
+        growth_factor=4.0,
+        backoff_factor=0.125,
+        min_scale=0.5,
+        max_scale=200.0,
+    )
+    # 8 -> 32 -> 128 -> 128 (512 is above max_scale), then / 8 to the floor.
+    assert [scale for scale, _ in states] == [
+        32.0,
+        128.0,
+        128.0,
+        16.0,
+        2.0,
+        0.5,
+    ]
+    assert all(counter == 0 for _, counter in states)
+
+
+def test_hysteresis_backs_off_on_the_hysteresis_th_skip_after_growth():
+    states = _walk(
+        64.0,
+        2,
+        [False, False, False, True, True, False, False, True, False],
+        hysteresis=2,
+    )
+    # (scale, counter, hysteresis_left) after each step.
+    assert states == [
+        (64.0, 0, 1),  # the first skip leaves the scale alone
+        (32.0, 0, 1),  # the second backs off
+        (16.0, 0, 1),  # and every one after it, until the scale grows
+        (16.0, 1, 1),
+        (32.0, 0, 2),  # growth restores the hysteresis
+        (32.0, 0, 1),
+        (16.0, 0, 1),
+        (16.0, 1, 1),  # a finite step alone does not restore it
+        (8.0, 0, 1),
+    ]
+
+
+def test_initial_state():
+    assert ScaleRule(hysteresis=3).initial_state(8.0) == (8.0, 0, 3)
+
+
+@pytest.mark.parametrize(
+    "settings, error, fragment",
+    [
+        ({"growth_steps": 0}, ValueError, "'dynamic_growth_steps' must be"),
+        ({"growth_steps": 2**31}, ValueError, "at most 2147483647"),
+        ({"growth_steps": 1.5}, TypeError, "dynamic_growth_steps=1.5"),
+        ({"growth_steps": True}, TypeError, "dynamic_growth_steps=True"),
+        ({"growth_factor": 1.0}, ValueError, "'growth_factor' must be"),
+        ({"growth_factor": float("inf")}, ValueError, "growth_factor=inf"),
+        ({"backoff_factor": 1.0}, ValueError, "'backoff_factor' must be"),
+        ({"backoff_factor": 0}, ValueError, "backoff_factor=0"),
+        ({"min_scale": 2.0**-25}, ValueError, "'min_scale' must be"),
+        ({"max_scale": 1e39}, ValueError, "'max_scale' must be"),
+        ({"min_scale": 4.0, "max_scale": 2.0}, ValueError, "not be above"),
+        ({"hysteresis": 0}, ValueError, "'hysteresis' must be"),
+        ({"hysteresis": "2"}, TypeError, "hysteresis='2'"),
+    ],
+)
+def test_settings_are_checked_when_made(settings, error, fragment):
+    with pytest.raises(error) as info:
+        ScaleRule(**settings)
+    assert fragment in str(info.value)
+
+
+def test_largest_growth_steps_is_accepted():
+    assert ScaleRule(growth_steps=2**31 - 1).growth_steps == 2**31 - 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    initial_scale=st.floats(
+        min_value=1.0, max_value=FLOAT32_MAX, width=32, allow_nan=False
+    ),
+    growth_steps=st.integers(min_value=1, max_value=50),
+    finite_steps=st.lists(st.booleans(), min_size=1, max_size=30),
+)
+def test_matches_pseudo_code(initial_scale, growth_steps, finite_steps):
+    rule = ScaleRule(growth_steps=growth_steps)
+    state = rule.initial_state(initial_scale)
+    expected = (np.float32(initial_scale), 0, 1)
+    for step, finite in enumerate(finite_steps):
+        state = rule.next(state, finite)
+        expected = _reference_rule(rule, expected, finite)
+        scale, counter, left = state
+        assert float(scale) == float(expected[0]), f"step {step}"
+        assert int(counter) == expected[1], f"step {step}"
+        assert int(left) == expected[2], f"step {step}"
+        assert 1.0 <= float(scale) <= FLOAT32_MAX, f"step {step}"
+        assert 0 <= int(counter) < growth_steps, f"step {step}"
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    initial_scale=st.floats(min_value=1.0, max_value=2.0**40, width=32),
+    growth_steps=st.integers(min_value=1, max_value=5),
+    growth_factor=st.sampled_from([1.5, 2.0, 3.0, 16.0]),
+    backoff_factor=st.sampled_from([0.1, 0.25, 0.5, 0.9]),
+    min_scale=st.sampled_from([2.0**-24, 0.5, 1.0]),
+    max_scale=st.sampled_from([2.0**40, 2.0**60, FLOAT32_MAX]),
+    hysteresis=st.integers(min_value=1, max_value=4),
+    finite_steps=st.lists(st.booleans(), min_size=1, max_size=30),
+)
+def test_matches_pseudo_code_with_every_setting(
+    initial_scale,
+    growth_steps,
+    growth_factor,
+    backoff_factor,
+    min_scale,
+    max_scale,
+    hysteresis,
+    finite_steps,
+):
+    rule = ScaleRule(
+        growth_steps=growth_steps,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        hysteresis=hysteresis,
+    )
+    state = rule.initial_state(initial_scale)
+    expected = (np.float32(initial_scale), 0, hysteresis)
+    for step, finite in enumerate(finite_steps):
+        state = rule.next(state, finite)
+        expected = _reference_rule(rule, expected, finite)
+        scale, counter, left = state
+        assert float(scale) == float(expected[0]), f"step {step}"
+        assert (int(counter), int(left)) == expected[1:], f"step {step}"
+        assert min_scale <= float(scale) <= max_scale, f"step {step}"
+        assert 1 <= int(left) <= hysteresis, f"step {step}"
+
+
+@pytest.mark.parametrize(
+    "variable",
+    [
+        pytest.param(
+            tf.Variable,
+        ),
+        keras.Variable,
+    ],
+    ids=["tf_variables", "keras_variables"],
+)
+@pytest.mark.parametrize(
+    "jit_compile", [False, True], ids=["tf_function", "jit"]
+)
+def test_runs_inside_tf_function(jit_compile, variable):
+    scale = variable(4.0)
+    counter = variable(0, dtype="int64")
+    left = variable(1, dtype="int64")
+    rule = ScaleRule(growth_steps=2)
+
+    @tf.function(jit_compile=jit_compile)
+    def update(finite):
+        new_scale, new_counter, new_left = rule.next(
+            (scale, counter, left), finite
+        )
+        scale.assign(new_scale)
+        counter.assign(new_counter)
+        left.assign(new_left)
+
+    states = []
+    for finite in [True, True, False, False, False, True]:
+        update(tf.constant(finite))
+        states.append((float(np.array(scale)), int(np.array(counter))))
+    assert states == [
+        (4.0, 1),
+        (8.0, 0),
+        (4.0, 0),
+        (2.0, 0),
+        (1.0, 0),
+        (1.0, 1),
+    ]
+    # One trace serves every step: no Python control flow on the values.
+    assert update.experimental_get_tracing_count() == 1

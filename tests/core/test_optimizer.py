@@ -1,0 +1,359 @@
+"""Tests for kmp.core.optimizer.LossScaleOptimizer on a single device: its
+properties, scaling and unscaling, the checks of `apply_gradients`, and
+training that matches the float32 reference bit for bit.
+
+They pin down the "Loss scaling" section of the contract. Many guard against
+a Keras 3.15 behaviour: a loss scaled in float16 before the optimizer is
+built, gradients unscaled twice in a custom loop. The arguments, the steps
+and skips, the recipes, the saved state and `model.compile` have files of
+their own; distributed training too.
+"""
+
+import functools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from sklearn.datasets import load_digits
+
+import kmp
+from kmp import LossScaleOptimizer
+from tests.support import training
+from tests.support.training import BATCH_SIZE
+from tests.support.training import INF
+from tests.support.training import MODES
+from tests.support.training import OPTIMIZERS
+from tests.support.training import X
+
+# --- Properties ---------------------------------------------------------------
+
+
+def test_properties():
+    inner = keras.optimizers.SGD(0.25)
+    optimizer = LossScaleOptimizer(
+        inner, initial_scale=64, dynamic_growth_steps=10
+    )
+    assert optimizer.inner_optimizer is inner
+    assert optimizer.initial_scale == 64.0
+    assert optimizer.dynamic_growth_steps == 10
+
+    scale = optimizer.loss_scale
+    assert scale.dtype == tf.float32 and scale.shape == ()
+    assert float(scale) == 64.0
+    assert int(optimizer.dynamic_counter) == 0
+    assert int(optimizer.skipped_steps) == 0
+    assert int(optimizer.iterations) == 0
+
+
+@pytest.mark.parametrize(
+    "name", ["loss_scale", "dynamic_counter", "skipped_steps"]
+)
+def test_state_properties_are_tensors(name):
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.25))
+    assert isinstance(getattr(optimizer, name), tf.Tensor)
+
+
+def test_state_properties_are_values_of_the_moment_they_are_read():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.25), initial_scale=8)
+    scale, counter = optimizer.loss_scale, optimizer.dynamic_counter
+    skipped = optimizer.skipped_steps
+    variable = keras.Variable([1.0])
+    optimizer.apply_gradients([(tf.constant([1.0]), variable)])
+    optimizer.apply_gradients([(tf.constant([INF]), variable)])
+    assert float(optimizer.loss_scale) == 4.0
+    assert (float(scale), int(counter), int(skipped)) == (8.0, 0, 0)
+
+
+def test_learning_rate_reads_and_assigns_the_inner_optimizer():
+    inner = keras.optimizers.SGD(0.25)
+    optimizer = LossScaleOptimizer(inner)
+    assert float(optimizer.learning_rate) == 0.25
+
+    optimizer.learning_rate = 0.5
+    assert float(inner.learning_rate) == 0.5
+    assert float(optimizer.learning_rate) == 0.5
+
+    variable = keras.Variable([1.0])
+    optimizer.apply_gradients([(tf.constant([1.0]), variable)])
+    # The update used the assigned learning rate: 1 - 0.5 * 1.
+    np.testing.assert_array_equal(np.array(variable), [0.5])
+
+
+def test_iterations_counts_applied_steps_of_the_inner_optimizer():
+    inner = keras.optimizers.SGD(0.1)
+    optimizer = LossScaleOptimizer(inner)
+    variable = keras.Variable([1.0])
+    optimizer.apply_gradients([(tf.constant([1.0]), variable)])
+    optimizer.apply_gradients([(tf.constant([1.0]), variable)])
+    assert int(optimizer.iterations) == 2
+    assert int(inner.iterations) == 2
+    assert int(optimizer.skipped_steps) == 0
+
+
+def _bad_apply_calls():
+    """(id, call(optimizer, kernel, bias), error, message) per bad call."""
+    ones = tf.ones
+    return [
+        (
+            "string_gradient",
+            lambda o, k, b: o.apply_gradients([("x", k)]),
+            TypeError,
+            r"gradient of '.*kernel' \(position 0\) must be floating point",
+        ),
+        (
+            "integer_gradient",
+            lambda o, k, b: o.apply_gradients(
+                [(ones((4, 2)), k), (ones((2,), "int32"), b)]
+            ),
+            TypeError,
+            r"gradient of '.*bias' \(position 1\) must be floating.*int32",
+        ),
+        (
+            "wrong_shape",
+            lambda o, k, b: o.apply_gradients([(ones((2, 4)), k)]),
+            ValueError,
+            r"'.*kernel' \(position 0\) must have its variable's shape "
+            r"\(4, 2\).*shape \(2, 4\)",
+        ),
+        (
+            "sparse_wrong_shape",
+            lambda o, k, b: o.apply_gradients(
+                [(tf.IndexedSlices(ones((1, 3)), tf.constant([0])), k)]
+            ),
+            ValueError,
+            r"must have its variable's shape \(4, 2\)"
+            r".*values of shape \(1, 3\)",
+        ),
+        (
+            "string_variable",
+            lambda o, k, b: o.apply_gradients([(ones((4, 2)), "kernel")]),
+            TypeError,
+            r"must be a Keras variable.*position 0: 'kernel'",
+        ),
+        (
+            "not_pairs",
+            lambda o, k, b: o.apply_gradients([ones((4, 2)), ones((2,))]),
+            TypeError,
+            r"\(gradient, variable\) pairs.*position 0: a tensor",
+        ),
+        (
+            "mapping",
+            lambda o, k, b: o.apply_gradients({"kernel": ones((4, 2))}),
+            TypeError,
+            r"'grads_and_vars' must be \(gradient, variable\) pairs",
+        ),
+        (
+            "counts_differ",
+            lambda o, k, b: o.apply([ones((4, 2))], [k, b]),
+            ValueError,
+            "one gradient per variable. Received 1 gradients for 2 variables",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+@pytest.mark.parametrize(
+    "call, error, message",
+    [case[1:] for case in _bad_apply_calls()],
+    ids=[case[0] for case in _bad_apply_calls()],
+)
+def test_apply_gradients_rejects_bad_input_and_changes_nothing(
+    mode, call, error, message
+):
+    layer = keras.layers.Dense(2)
+    layer.build((None, 4))
+    kernel, bias = layer.kernel, layer.bias
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8)
+    # One good step first, so there are slots and iterations to keep.
+    optimizer.apply_gradients(
+        [(tf.ones((4, 2)), kernel), (tf.ones((2,)), bias)]
+    )
+    weights = training.values([kernel, bias])
+
+    def bad_step():
+        call(optimizer, kernel, bias)
+
+    def attempt():
+        with pytest.raises(error, match=message):
+            training.compiled(bad_step, mode)()
+
+    training.assert_unchanged_by(optimizer, attempt)
+    training.assert_weights_equal(training.values([kernel, bias]), weights)
+    assert training.optimizer_state(optimizer) == (8.0, 1, 0, 1)
+
+
+def test_apply_gradients_converts_arrays_and_returns_iterations():
+    variable = keras.Variable([1.0, 2.0])
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=8)
+    iterations = optimizer.apply_gradients(
+        [(np.array([2.0, 4.0], "float32"), variable)]
+    )
+    np.testing.assert_array_equal(np.array(variable), [0.0, 0.0])
+    assert int(iterations) == 1
+
+
+def test_variables_start_with_kerass_layout():
+    # Changed on purpose: the state variables carry Keras's names and come
+    # first in Keras's order, so Keras's own code finds them.
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=4)
+    names = [v.path.split("/")[-1] for v in optimizer.variables]
+    assert names[:4] == [
+        "iteration",
+        "learning_rate",
+        "step_counter",
+        "dynamic_scale",
+    ]
+    assert names[4:7] == [
+        "skipped_steps",
+        "consecutive_skips",
+        "hysteresis_left",
+    ]
+    inner = optimizer.inner_optimizer
+    assert optimizer.variables[-len(inner.variables) :] == inner.variables
+    assert optimizer.dynamic_scale is optimizer.variables[3]
+    assert optimizer.step_counter is optimizer.variables[2]
+    assert float(optimizer.dynamic_scale) == 4.0
+    assert optimizer.skipped_steps_variable.dtype == "int64"
+    assert optimizer.consecutive_skips_variable.dtype == "int64"
+    assert int(optimizer.hysteresis_left) == 1
+
+
+def test_nonfinite_variables_names_the_variables_of_the_last_skip():
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=4, record_nonfinite=True
+    )
+    good = keras.Variable([1.0], name="good")
+    bad = keras.Variable([1.0], name="bad")
+    assert optimizer.nonfinite_variables == []
+    optimizer.apply_gradients(
+        [(tf.constant([1.0]), good), (tf.constant([INF]), bad)]
+    )
+    assert optimizer.nonfinite_variables == [bad.path]
+    optimizer.apply_gradients(
+        [(tf.constant([1.0]), good), (tf.constant([1.0]), bad)]
+    )
+    assert optimizer.nonfinite_variables == [bad.path]  # The last skip's.
+    plain = LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(ValueError, match="record_nonfinite=True"):
+        plain.nonfinite_variables  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    "pairs",
+    [[], iter([])],
+    ids=["empty_list", "exhausted_zip"],
+)
+def test_apply_gradients_of_no_pairs_is_refused(pairs):
+    # Changed on purpose: an exhausted zip used to be a silent no-op.
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8)
+
+    def attempt():
+        with pytest.raises(ValueError, match="holds no \\(gradient, variable"):
+            optimizer.apply_gradients(pairs)
+
+    training.assert_unchanged_by(optimizer, attempt)
+
+
+# --- Both recipes give the float32 reference, bit for bit ---------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
+def test_fit_matches_the_float32_reference(optimizer_name, mode):
+    optimizer = LossScaleOptimizer(OPTIMIZERS[optimizer_name]())
+    weights = training.fit_weights(optimizer, mode)
+    training.assert_weights_equal(
+        weights, training.reference_weights(optimizer_name, mode)
+    )
+    assert int(optimizer.iterations) == len(X) // BATCH_SIZE
+    assert int(optimizer.skipped_steps) == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
+def test_custom_loop_matches_the_float32_reference(optimizer_name, mode):
+    optimizer = LossScaleOptimizer(OPTIMIZERS[optimizer_name]())
+    weights = training.loop_weights(optimizer, mode, "contract")
+    training.assert_weights_equal(
+        weights, training.reference_weights(optimizer_name, mode)
+    )
+    assert int(optimizer.iterations) == len(X) // BATCH_SIZE
+
+
+# --- End to end under mixed_float16 -------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _digits():
+    digits = load_digits()
+    x = (digits.data[:640] / 16.0).astype("float32")
+    y = digits.target[:640].astype("int32")
+    return x, y
+
+
+def _digits_model():
+    """Dense -> Dense -> Dense logits -> float32 softmax, under the policy."""
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(10),
+            keras.layers.Activation("softmax", dtype="float32"),
+        ]
+    )
+
+
+def _digits_loss(model):
+    x, y = _digits()
+    return float(keras.losses.SparseCategoricalCrossentropy()(y, model(x)))
+
+
+def test_end_to_end_fit_under_mixed_float16():
+    kmp.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = _digits_model()
+    assert model.layers[0].compute_dtype == "float16"
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="sparse_categorical_crossentropy",
+    )
+    assert isinstance(model.optimizer, LossScaleOptimizer)
+    x, y = _digits()
+    loss_before = _digits_loss(model)
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert _digits_loss(model) < loss_before
+    assert model(x[:4]).dtype == "float32"
+    assert int(model.optimizer.iterations) > 0
+
+
+def test_end_to_end_custom_loop_under_mixed_float16():
+    kmp.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = _digits_model()
+    optimizer = LossScaleOptimizer(keras.optimizers.Adam(0.01))
+    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            probabilities = model(x, training=True)
+            loss = loss_fn(y, probabilities)
+            scaled_loss = optimizer.get_scaled_loss(loss)
+        scaled_grads = tape.gradient(scaled_loss, model.trainable_variables)
+        grads = optimizer.get_unscaled_gradients(scaled_grads)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return probabilities, grads
+
+    x, y = _digits()
+    loss_before = _digits_loss(model)
+    for start in range(0, len(x), 32):
+        probabilities, grads = train_step(
+            x[start : start + 32], y[start : start + 32]
+        )
+    assert _digits_loss(model) < loss_before
+    assert probabilities.dtype == tf.float32
+    assert all(g.dtype == tf.float32 for g in grads)
+    assert int(optimizer.iterations) + int(optimizer.skipped_steps) == 20
+    assert int(optimizer.iterations) > 0

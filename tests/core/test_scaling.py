@@ -1,0 +1,351 @@
+"""Tests for kmp.core.scaling through `LossScaleOptimizer`: scaling the loss
+and unscaling the gradients (in float32, keeping each dtype), and the exact
+finite check that decides whether a step is skipped.
+
+Keras 3.15 scales a float16 loss in float16 before the optimizer is built
+(where 3 * 2**15 is inf), and unscales in the gradient's dtype (where
+1 / 2**25 is 0 in float16).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kmp
+from kmp import LossScaleOptimizer
+from kmp.core import scaling
+from tests.support import training
+from tests.support.fuzzing import FUZZ
+from tests.support.fuzzing import call_expecting_clean_error
+from tests.support.fuzzing import junk
+from tests.support.training import INF
+from tests.support.training import NAN
+
+# --- get_scaled_loss ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_scaled_loss_keeps_the_loss_dtype_before_and_after_build(dtype):
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    loss = tf.constant(1.5, dtype)
+
+    before_build = optimizer.get_scaled_loss(loss)
+    optimizer.build([keras.Variable(np.zeros(2, "float32"))])
+    after_build = optimizer.get_scaled_loss(loss)
+
+    for scaled in (before_build, after_build):
+        assert scaled.dtype == dtype
+        assert float(scaled) == 1.5 * 2**15
+
+
+def test_float16_loss_scales_the_same_before_and_after_build():
+    # 3 * 2**15 is above the largest float16: Keras gives inf (float16)
+    # before build and 98304 (float32) after; kmp keeps the loss's dtype.
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    loss = tf.constant(3.0, "float16")
+    before_build = optimizer.get_scaled_loss(loss)
+    optimizer.build([keras.Variable(np.zeros(2, "float32"))])
+    after_build = optimizer.get_scaled_loss(loss)
+    assert before_build.dtype == after_build.dtype == tf.float16
+    np.testing.assert_array_equal(np.array(before_build), np.array(after_build))
+
+
+def test_scaled_loss_of_a_python_float():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8)
+    scaled = optimizer.get_scaled_loss(0.5)
+    assert scaled.dtype == tf.float32
+    assert float(scaled) == 4.0
+
+
+@pytest.mark.parametrize(
+    "loss, expected",
+    [
+        (np.array(0.5, "float32"), 4.0),
+        ([0.5, 1.0], [4.0, 8.0]),
+        (float("inf"), float("inf")),
+        (float("nan"), float("nan")),
+    ],
+    ids=["numpy_array", "list", "inf", "nan"],
+)
+def test_scaled_loss_of_a_floating_value_convertible_to_a_tensor(
+    loss, expected
+):
+    # A non-finite loss gives non-finite gradients: the step is skipped.
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8)
+    scaled = optimizer.get_scaled_loss(loss)
+    assert scaled.dtype == tf.float32
+    np.testing.assert_array_equal(np.asarray(scaled), expected)
+
+
+def test_scaled_loss_reads_the_current_scale_inside_tf_function():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8)
+    scaled_loss = tf.function(optimizer.get_scaled_loss)
+    loss = tf.constant(1.0)
+    assert float(scaled_loss(loss)) == 8.0
+    # A skipped step halves the scale; the traced function must see it.
+    optimizer.apply_gradients([(tf.constant([INF]), keras.Variable([1.0]))])
+    assert float(scaled_loss(loss)) == 4.0
+
+
+def test_callable_loss_gives_a_callable():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8)
+    scaled = optimizer.get_scaled_loss(lambda: tf.constant(1.5))
+    assert callable(scaled)
+    assert float(scaled()) == 12.0
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        tf.constant(3),
+        3,
+        "loss",
+    ],
+    ids=["int_tensor", "int", "string"],
+)
+def test_scaled_loss_rejects_a_non_floating_loss(loss):
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(TypeError, match="'loss' must be"):
+        optimizer.get_scaled_loss(loss)
+
+
+# --- get_unscaled_gradients and apply_gradients -------------------------------
+
+
+def test_unscaled_gradients_keep_each_dtype_and_none():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8)
+    grads = (
+        tf.constant([8.0, 16.0], "float16"),
+        None,
+        tf.constant([8.0, 24.0], "bfloat16"),
+        tf.constant([8.0, 4.0], "float32"),
+        tf.constant([8.0, 2.0], "float64"),
+    )
+    unscaled = optimizer.get_unscaled_gradients(grads)
+    assert isinstance(unscaled, list)
+    assert unscaled[1] is None
+    expected = [[1.0, 2.0], None, [1.0, 3.0], [1.0, 0.5], [1.0, 0.25]]
+    for grad, result, values in zip(grads, unscaled, expected):
+        if grad is None:
+            continue
+        assert result.dtype == grad.dtype
+        np.testing.assert_array_equal(
+            np.array(tf.cast(result, "float64")), values
+        )
+
+
+def test_unscaled_gradients_accept_a_generator():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=4)
+    unscaled = optimizer.get_unscaled_gradients(
+        tf.constant([v]) for v in (4.0, 8.0)
+    )
+    assert [float(g[0]) for g in unscaled] == [1.0, 2.0]
+
+
+def test_unscaled_gradients_keep_indexed_slices():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8)
+    sparse = tf.IndexedSlices(
+        values=tf.constant([[8.0, 16.0], [24.0, 32.0]]),
+        indices=tf.constant([3, 1]),
+        dense_shape=tf.constant([5, 2]),
+    )
+    (unscaled,) = optimizer.get_unscaled_gradients([sparse])
+    assert isinstance(unscaled, tf.IndexedSlices)
+    np.testing.assert_array_equal(
+        np.array(unscaled.values), [[1.0, 2.0], [3.0, 4.0]]
+    )
+    np.testing.assert_array_equal(np.array(unscaled.indices), [3, 1])
+    np.testing.assert_array_equal(np.array(unscaled.dense_shape), [5, 2])
+
+
+def test_float16_gradients_unscale_with_a_scale_above_2_to_the_24():
+    # 1 / 2**25 is 0 in float16: the division must not happen in float16.
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), dynamic=False, initial_scale=2**25
+    )
+    grads = [tf.constant([1024.0, 2048.0, 512.0], "float16")]
+    (unscaled,) = optimizer.get_unscaled_gradients(grads)
+    assert unscaled.dtype == tf.float16
+    np.testing.assert_array_equal(
+        np.array(unscaled),
+        np.array([2.0**-15, 2.0**-14, 2.0**-16], "float16"),
+    )
+    assert np.all(np.array(unscaled) > 0)
+
+
+@pytest.mark.filterwarnings("ignore:Gradients do not exist")
+def test_apply_gradients_leaves_a_variable_without_gradient_alone():
+    used, unused = keras.Variable([1.0]), keras.Variable([2.0])
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=8)
+    with tf.GradientTape() as tape:
+        scaled_loss = optimizer.get_scaled_loss(tf.reduce_sum(used))
+    grads = optimizer.get_unscaled_gradients(
+        tape.gradient(scaled_loss, [used, unused])
+    )
+    assert grads[1] is None
+    optimizer.apply_gradients(zip(grads, [used, unused]))
+    assert (float(used[0]), float(unused[0])) == (0.5, 2.0)
+    assert training.optimizer_state(optimizer) == (8.0, 1, 0, 1)
+
+
+@pytest.mark.parametrize(
+    "grads",
+    [tf.constant([1.0, 2.0]), 3],
+    ids=["single_tensor", "int"],
+)
+def test_unscaled_gradients_need_a_list(grads):
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(TypeError, match="'grads' must be a list of gradients"):
+        optimizer.get_unscaled_gradients(grads)
+
+
+def test_unscaled_gradients_reject_integer_gradients():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(TypeError, match=r"'grads\[1\]' must be floating"):
+        optimizer.get_unscaled_gradients([tf.constant(1.0), tf.constant(2)])
+
+
+def test_unscaled_gradients_name_a_non_floating_value_as_given():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(TypeError, match=r"'grads\[1\]' .*grads\[1\]=False"):
+        optimizer.get_unscaled_gradients([None, False])
+
+
+def test_scaled_loss_names_a_keras_variable_of_the_wrong_dtype():
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(
+        TypeError,
+        match="'loss' must be floating point.*a variable of dtype bool",
+    ):
+        optimizer.get_scaled_loss(keras.Variable(True))
+
+
+# --- The finite check ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["eager", "tf_function", "jit"])
+@pytest.mark.parametrize(
+    "gradients, finite",
+    [
+        ([[1.0, 2.0], [3.0]], True),
+        ([[INF], [1.0]], False),
+        ([[1.0, NAN], [3.0]], False),
+        ([[INF], [-INF]], False),
+        ([[INF, -INF], [1.0]], False),
+        # Changed on purpose: finite values whose sum overflows used to count
+        # as non-finite; the check is now exact, elementwise.
+        ([[3e38, 3e38], [1.0]], True),
+        ([[3e38], [3e38]], True),
+        ([[-3e38, -3e38], [3e38, 3e38]], True),
+        ([[3e38, 3e38], [NAN]], False),
+    ],
+    ids=[
+        "finite",
+        "inf",
+        "nan",
+        "inf_in_one_minus_inf_in_other",
+        "inf_minus_inf",
+        "sum_overflow",
+        "elementwise_overflow",
+        "sum_overflow_both_signs",
+        "sum_overflow_and_nan",
+    ],
+)
+def test_all_finite_is_exact(gradients, finite, mode):
+    grads = [tf.constant(g, "float32") for g in gradients] + [None]
+    check = training.compiled(lambda: scaling.all_finite(grads), mode)
+    assert bool(check()) is finite
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+def test_all_finite_in_every_floating_dtype(dtype):
+    large = float(tf.as_dtype(dtype).max)
+    assert bool(scaling.all_finite([tf.constant([large, large], dtype)]))
+    assert not bool(scaling.all_finite([tf.constant([large, INF], dtype)]))
+    sparse = tf.IndexedSlices(
+        tf.constant([[1.0, NAN]], dtype), tf.constant([0]), (2, 2)
+    )
+    assert not bool(scaling.all_finite([sparse]))
+    assert bool(scaling.all_finite([None]))
+
+
+# --- Fuzzing get_scaled_loss / get_unscaled_gradients -------------------------
+
+
+def _converts_to_floating(value) -> bool:
+    try:
+        return tf.convert_to_tensor(value).dtype.is_floating
+    except (TypeError, ValueError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def optimizer():
+    return kmp.LossScaleOptimizer(keras.optimizers.SGD(0.25), initial_scale=8.0)
+
+
+def _assert_scale_unchanged(optimizer):
+    assert float(optimizer.loss_scale) == 8.0
+    assert int(optimizer.dynamic_counter) == 0
+
+
+@FUZZ
+@given(loss=junk())
+def test_get_scaled_loss_rejects_non_floating_losses(optimizer, loss):
+    if _converts_to_floating(loss):
+        scaled = optimizer.get_scaled_loss(loss)
+        # TensorFlow's own product (which flushes subnormals to zero).
+        expected = np.asarray(tf.convert_to_tensor(loss) * 8.0)
+        np.testing.assert_array_equal(np.asarray(scaled), expected)
+    else:
+        error = call_expecting_clean_error(
+            lambda: optimizer.get_scaled_loss(loss), loss
+        )
+        assert error is not None
+    _assert_scale_unchanged(optimizer)
+
+
+@pytest.mark.parametrize("loss", [1e300, -1e300], ids=["huge", "huge_neg"])
+def test_get_scaled_loss_of_a_float_beyond_float32(optimizer, loss):
+    """1e300 is a floating number, so not a TypeError: either it becomes a
+    non-finite float32 loss (and the step is skipped) or a ValueError says it
+    is out of float32's range."""
+    try:
+        scaled = optimizer.get_scaled_loss(loss)
+    except ValueError as error:
+        assert repr(loss) in str(error)
+    else:
+        assert not np.isfinite(np.asarray(scaled))
+
+
+@FUZZ
+@given(
+    grads=st.one_of(
+        junk(),
+        st.lists(junk() | st.just(tf.constant([1.0, 2.0])), max_size=3),
+        st.dictionaries(
+            st.text(max_size=3), st.just(tf.constant(1.0)), min_size=1
+        ),
+    )
+)
+def test_get_unscaled_gradients_rejects_bad_nesting(optimizer, grads):
+    is_list = isinstance(grads, (list, tuple))
+    if is_list and all(g is None or _converts_to_floating(g) for g in grads):
+        unscaled = optimizer.get_unscaled_gradients(grads)
+        assert len(unscaled) == len(grads)
+    else:
+        bad = grads
+        if is_list:
+            bad = next(
+                g
+                for g in grads
+                if g is not None and not _converts_to_floating(g)
+            )
+        error = call_expecting_clean_error(
+            lambda: optimizer.get_unscaled_gradients(grads), bad
+        )
+        assert error is not None
+    _assert_scale_unchanged(optimizer)

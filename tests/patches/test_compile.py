@@ -1,0 +1,232 @@
+"""Tests for the `compile` patch: `model.compile`'s automatic loss scaling
+(under `mixed_float16`) is a kmp.LossScaleOptimizer, and a kmp optimizer the
+user passes is kept as it is."""
+
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+
+import kmp
+from kmp import LossScaleOptimizer
+from tests.support import training
+from tests.support.training import BATCH_SIZE
+from tests.support.training import X_FINITE
+from tests.support.training import X_INF
+from tests.support.training import X
+from tests.support.training import Y
+
+
+def test_importing_kmp_installs_it():
+    assert "compile" in kmp.patches.installed()
+
+
+def test_compile_keeps_a_kmp_optimizer_under_mixed_float16():
+    kmp.set_global_policy("mixed_float16")
+    model = training.model()
+    optimizer = LossScaleOptimizer(keras.optimizers.Adam(0.01))
+    model.compile(optimizer=optimizer, loss="mse")
+    assert model.optimizer is optimizer
+
+
+def test_compile_string_optimizer_under_mixed_float16_scales_the_loss():
+    kmp.set_global_policy("mixed_float16")
+    model = training.model()
+    model.compile(optimizer="adam", loss="mse")
+    optimizer = model.optimizer
+    assert isinstance(optimizer, LossScaleOptimizer)
+    assert isinstance(optimizer.inner_optimizer, keras.optimizers.Adam)
+    assert optimizer.dynamic and optimizer.initial_scale == 2.0**15
+
+    history = model.fit(
+        X, Y, batch_size=BATCH_SIZE, epochs=4, shuffle=False, verbose=0
+    )
+    losses = history.history["loss"]
+    assert losses[-1] < losses[0]
+    steps = 4 * len(X) // BATCH_SIZE
+    # Every step either counted towards growth or was skipped and halved.
+    assert int(optimizer.iterations) + int(optimizer.skipped_steps) == steps
+    assert training.optimizer_state(optimizer)[:2] != (2.0**15, 0)
+
+
+def _tiny_loss(y_true, y_pred):
+    """A loss whose gradient (1e-8 / batch) underflows to 0 in float16."""
+    del y_true
+    return 1e-8 * keras.ops.mean(keras.ops.cast(y_pred, "float32"))
+
+
+def _kernel_after_one_fit_step(optimizer, **compile_kwargs):
+    """One fit step of a float16 Dense(1) with a zero kernel on `_tiny_loss`."""
+    kmp.set_global_policy("mixed_float16")
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros"),
+        ]
+    )
+    model.compile(optimizer=optimizer, loss=_tiny_loss, **compile_kwargs)
+    model.fit(X[:BATCH_SIZE], Y[:BATCH_SIZE, :1], batch_size=BATCH_SIZE)
+    return np.array(model.layers[0].kernel)[:, 0], model.optimizer
+
+
+@pytest.mark.parametrize(
+    "optimizer, learning_rate",
+    [
+        (lambda: LossScaleOptimizer(keras.optimizers.SGD(1.0)), 1.0),
+        ("sgd", 0.01),
+    ],
+    ids=["explicit", "string"],
+)
+def test_fit_scales_the_loss_so_float16_gradients_survive(
+    optimizer, learning_rate
+):
+    # The kernel's gradient is 1e-8 times each input's batch mean: float16
+    # gradients of the output underflow to 0 unless the loss is scaled.
+    true_gradient = 1e-8 * X[:BATCH_SIZE].astype("float64").mean(axis=0)
+    if callable(optimizer):
+        optimizer = optimizer()
+    kernel, used = _kernel_after_one_fit_step(optimizer)
+    assert isinstance(used, LossScaleOptimizer)
+    assert int(used.iterations) == 1 and int(used.skipped_steps) == 0
+    np.testing.assert_allclose(
+        kernel, -learning_rate * true_gradient, rtol=1e-2
+    )
+
+    # Without loss scaling the same step leaves the kernel at zero.
+    plain, _ = _kernel_after_one_fit_step(
+        keras.optimizers.SGD(1.0), auto_scale_loss=False
+    )
+    np.testing.assert_array_equal(plain, np.zeros(4, "float32"))
+
+
+def test_compile_does_not_wrap_with_auto_scale_loss_false():
+    kmp.set_global_policy("mixed_float16")
+    model = training.model()
+    adam = keras.optimizers.Adam(0.01)
+    model.compile(optimizer=adam, loss="mse", auto_scale_loss=False)
+    assert model.optimizer is adam
+
+
+def test_compile_does_not_wrap_under_float32():
+    model = training.model()
+    model.compile(optimizer="adam", loss="mse")
+    assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def test_model_compiled_with_adam_under_mixed_float16_loads_under_float32(
+    tmp_path,
+):
+    # Keras 3.15 loads a plain Adam here and warns that it skipped the
+    # saved optimizer variables: the scale and counter are lost.
+    kmp.set_global_policy("mixed_float16")
+    model = training.model()
+    model.compile(optimizer="adam", loss="mse")
+    training.fit_steps(model, [X_FINITE, X_FINITE, X_INF, X_FINITE])
+    state = training.optimizer_state(model.optimizer)
+    assert state[2] >= 1 and state[:2] != (2.0**15, 0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+
+    kmp.set_global_policy("float32")
+    loaded = training.load_model_without_skipping(path)
+    assert isinstance(loaded.optimizer, LossScaleOptimizer)
+    # Changed on purpose: the optimizer compile made writes Keras's own
+    # layout (Keras's four variables and the inner optimizer's), so Keras
+    # without kmp loads the file; kmp's skip counts are not in it.
+    scale, counter, skipped, iterations = state
+    assert training.optimizer_state(loaded.optimizer) == (
+        scale,
+        counter,
+        0,
+        iterations,
+    )
+    saved = model.optimizer
+    for restored, original in (
+        (loaded.optimizer.step_counter, saved.step_counter),
+        (loaded.optimizer.dynamic_scale, saved.dynamic_scale),
+    ):
+        assert np.array(restored) == np.array(original)
+    training.assert_weights_equal(
+        training.values(loaded.optimizer.inner_optimizer.variables),
+        training.values(saved.inner_optimizer.variables),
+    )
+    skipped = 0
+    training.fit_steps(loaded, [X_FINITE])
+    after = training.optimizer_state(loaded.optimizer)
+    assert after[1:] in [
+        (counter + 1, skipped, iterations + 1),  # applied
+        (0, skipped + 1, iterations),  # skipped (float16 overflow)
+    ]
+
+
+def test_compile_does_not_wrap_a_model_without_float16_layers():
+    # A float32 model compiled while the global policy is mixed_float16 gets
+    # no loss scaling: nothing in it computes in float16.
+    with kmp.policy_scope("float32"):
+        model = training.model()
+    kmp.set_global_policy("mixed_float16")
+    adam = keras.optimizers.Adam(0.01)
+    model.compile(optimizer=adam, loss="mse")
+    assert model.optimizer is adam
+
+
+def test_uninstalled_compile_wraps_in_kerass_own_optimizer():
+    kmp.set_global_policy("mixed_float16")
+    kmp.patches.uninstall("compile")
+    try:
+        model = training.model()
+        model.compile(optimizer="adam", loss="mse")
+        assert type(model.optimizer) is keras.optimizers.LossScaleOptimizer
+    finally:
+        kmp.patches.install("compile")
+    model = training.model()
+    model.compile(optimizer="adam", loss="mse")
+    assert isinstance(model.optimizer, LossScaleOptimizer)
+
+
+_LOAD_WITHOUT_KMP = textwrap.dedent(
+    """
+    import sys
+    import keras
+
+    # As in Keras alone: compile adds loss scaling under this policy only.
+    keras.config.set_dtype_policy("mixed_float16")
+    model = keras.saving.load_model(sys.argv[1])
+    optimizer = model.optimizer
+    assert "kmp" not in sys.modules
+    print(type(optimizer).__name__, type(optimizer.inner_optimizer).__name__)
+    print(float(optimizer.dynamic_scale.numpy()))
+    print(int(optimizer.step_counter.numpy()))
+    print(int(optimizer.inner_optimizer.iterations.numpy()))
+    """
+)
+
+
+def test_model_compiled_with_keras_names_loads_in_keras_without_kmp(tmp_path):
+    kmp.set_global_policy("mixed_float16")
+    model = training.model()
+    model.compile(optimizer="adam", loss="mse")
+    training.fit_steps(model, [X_FINITE, X_INF, X_FINITE])
+    scale, counter, _, iterations = training.optimizer_state(model.optimizer)
+    assert scale == 2.0**14
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    result = subprocess.run(
+        [sys.executable, "-c", _LOAD_WITHOUT_KMP, path],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.split()[-5:]
+    assert lines == [
+        "LossScaleOptimizer",
+        "Adam",
+        str(scale),
+        str(counter),
+        str(iterations),
+    ]

@@ -1,0 +1,83 @@
+"""Tests for kmp's import surface: `kmp`, `kmp.mixed_precision` and the thin
+re-export modules `kmp.callbacks` and `kmp.testing`."""
+
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import kmp
+from kmp import callbacks
+from kmp import mixed_precision
+from kmp import testing
+
+PUBLIC_NAMES = (
+    "LossScaleOptimizer",
+    "Policy",
+    "global_policy",
+    "policy_scope",
+    "set_global_policy",
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _same_objects_in_a_fresh_interpreter():
+    """{name: whether kmp.mixed_precision.<name> is kmp.<name>}, checked in a
+    new interpreter: other tests reload kmp's modules in this one."""
+    code = (
+        "import json, kmp\n"
+        "from kmp import mixed_precision\n"
+        f"names = {list(PUBLIC_NAMES)!r}\n"
+        "print(json.dumps({n: getattr(mixed_precision, n) is getattr(kmp, n)"
+        " for n in names}))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", PUBLIC_NAMES)
+def test_mixed_precision_reexports_the_same_object(name):
+    assert _same_objects_in_a_fresh_interpreter()[name] is True
+    assert hasattr(mixed_precision, name)
+
+
+def test_all_lists_the_public_names():
+    assert set(PUBLIC_NAMES) <= set(kmp.__all__)
+    tools = {"__version__", "audit", "AuditReport", "callbacks", "convert"}
+    tools |= {"FusedAdam", "mixed_precision", "patches", "summary"}
+    assert set(kmp.__all__) - set(PUBLIC_NAMES) == tools
+    # TensorFlow 2.1-2.3's names live in `experimental`, as they did there.
+    assert sorted(mixed_precision.__all__) == sorted(
+        PUBLIC_NAMES + ("experimental",)
+    )
+    for name in kmp.__all__:
+        assert hasattr(kmp, name)
+    for name in mixed_precision.__all__:
+        assert hasattr(mixed_precision, name)
+
+
+def test_version_is_set():
+    assert isinstance(kmp.__version__, str)
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", kmp.__version__)
+
+
+def test_callbacks_and_testing_reexport_the_tools():
+    from kmp.tools import monitor
+    from kmp.tools import testing as tools_testing
+
+    assert callbacks.__all__ == ["LossScaleMonitor"]
+    assert callbacks.LossScaleMonitor is monitor.LossScaleMonitor
+    assert sorted(testing.__all__) == ["GradientFaults", "OverflowAt"]
+    assert testing.GradientFaults is tools_testing.GradientFaults
+    assert testing.OverflowAt is tools_testing.OverflowAt
