@@ -18,6 +18,7 @@ from kmp.tools.summary import summary
 
 if _backend.is_tensorflow():
     from kmp.core.fused import FusedAdam
+    from kmp.core.low_precision import LowPrecisionOptimizer
     from kmp.tools.audit import AuditReport
     from kmp.tools.audit import audit
 else:
@@ -25,6 +26,9 @@ else:
         "kmp.FusedAdam",
         "Use keras.optimizers.Adam: under jit (JAX) or torch.compile its "
         "update is fused already.",
+    )
+    LowPrecisionOptimizer = _backend.tensorflow_only(
+        "kmp.LowPrecisionOptimizer"
     )
     AuditReport = _backend.tensorflow_only("kmp.AuditReport")
     audit = _backend.tensorflow_only("kmp.audit")
@@ -37,6 +41,7 @@ __all__ = [
     "AuditReport",
     "FusedAdam",
     "LossScaleOptimizer",
+    "LowPrecisionOptimizer",
     "Policy",
     "__version__",
     "audit",

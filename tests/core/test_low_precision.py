@@ -1,0 +1,662 @@
+"""Tests for kmp.LowPrecisionOptimizer: float32 updates of bfloat16 weights.
+
+The arithmetic first (Kahan compensation follows float32 within one bfloat16
+ulp, stochastic rounding is unbiased and reproducible from its seed), then
+that any inner optimizer's update is its own (bit for bit on float32
+variables), then loss scaling, saving and resuming, distribution, and errors.
+"""
+
+import os
+
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmp
+from kmp.core.low_precision import LowPrecisionOptimizer
+from kmp.core.rounding import stochastic_round
+
+BF16 = ml_dtypes.bfloat16
+MODES = ["eager", "tf_function", "jit"]
+_RNG = np.random.default_rng(0)
+
+
+@pytest.fixture(params=["plain", "compiled"])
+def compiled(request, monkeypatch):
+    """Runs a test as it is, then with every variable's update compiled.
+
+    kmp.core.low_precision compiles only large variables' updates with XLA; the
+    tests' small ones take that path when the threshold is 0.
+    """
+    if request.param == "compiled":
+        monkeypatch.setattr(kmp.core.low_precision, "_COMPILE_MIN_ELEMENTS", 0)
+    return request.param
+
+
+def _ulp(values):
+    """The gap between a bfloat16 value and the next one away from zero."""
+    return np.spacing(np.abs(values).astype(BF16)).astype("float64")
+
+
+def _stream(rounding, updates, initial, seed=3):
+    """Adds `updates` (steps x n) to bfloat16 weights through SGD(1)."""
+    variable = keras.Variable(initial, dtype="bfloat16")
+    optimizer = keras.optimizers.SGD(1.0)
+    if rounding is not None:
+        optimizer = LowPrecisionOptimizer(optimizer, rounding, seed=seed)
+    optimizer.build([variable])
+
+    @tf.function
+    def run(updates):
+        for i in tf.range(tf.shape(updates)[0]):
+            optimizer.apply([-updates[i]], [variable])
+
+    run(tf.constant(updates))
+    return variable.numpy().astype("float64")
+
+
+def _float32_sum(updates, initial):
+    total = initial.astype(BF16).astype("float32")
+    for update in updates:
+        total = total + update  # float32, rounded at every step.
+    return total.astype("float64")
+
+
+# --- The arithmetic -----------------------------------------------------------
+
+STEPS = 10_000
+INITIAL = _RNG.uniform(0.9, 1.1, 64).astype("float32")
+STREAMS = {
+    "uniform": _RNG.uniform(0, 2e-4, (STEPS, 64)).astype("float32"),
+    "signed": _RNG.normal(1e-5, 1e-4, (STEPS, 64)).astype("float32"),
+}
+
+
+@pytest.mark.parametrize("stream", list(STREAMS))
+def test_kahan_follows_float32_within_one_ulp(stream):
+    updates = STREAMS[stream]
+    want = _float32_sum(updates, INITIAL)
+    kahan = _stream("kahan", updates, INITIAL)
+    np.testing.assert_array_less(np.abs(kahan - want), _ulp(want))
+    # Without compensation most of the stream is rounded away.
+    plain = _stream(None, updates, INITIAL)
+    assert np.median(np.abs(plain - want) / _ulp(want)) > 10
+
+
+def test_stochastic_stream_is_unbiased():
+    updates = STREAMS["uniform"]
+    want = _float32_sum(updates, INITIAL)
+    got = _stream("stochastic", updates, INITIAL)
+    errors = (got - want) / _ulp(want)
+    # Each weight ends sqrt(10000 * p(1 - p)) ~ 11 ulps from float32 at
+    # random (p = 1e-4 / ulp): the mean of 64 is within 0.7 ulp, 6 sigma 4.2.
+    assert abs(errors.mean()) < 4.5
+    plain = _stream(None, updates, INITIAL)
+    assert np.mean((plain - want) / _ulp(want)) < -50
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("fraction", [0.01, 0.25, 0.5, 0.9])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_stochastic_rounding_is_unbiased(dtype, fraction, sign):
+    low = np.float32(1.5)
+    gap = np.float32(2.0**-7 if dtype == "bfloat16" else 2.0**-10)
+    value = sign * (low + np.float32(fraction) * gap)
+    count = 200_000
+    rounded = stochastic_round(
+        tf.fill([count], value), dtype, tf.constant([7, 11])
+    ).numpy()
+    results = set(np.abs(rounded.astype("float64")).tolist())
+    assert results <= {float(low), float(low + gap)}
+    up = np.mean(np.abs(rounded.astype("float64")) > low)
+    # Seeded, so never flaky; 6 standard deviations of the mean.
+    assert abs(up - fraction) < 6 * np.sqrt(fraction * (1 - fraction) / count)
+
+
+def test_stochastic_rounding_keeps_representable_and_special_values():
+    values = tf.constant(
+        [0.0, -0.0, 1.0, -2.5, 3.0e38, np.inf, -np.inf, np.nan, 1e-40],
+        tf.float32,
+    )
+    exact = tf.cast(values, tf.bfloat16).numpy()
+    for seed in range(5):
+        rounded = stochastic_round(
+            tf.cast(exact, tf.float32), "bfloat16", tf.constant([seed, 0])
+        ).numpy()
+        np.testing.assert_array_equal(
+            rounded.astype("float32"), exact.astype("float32")
+        )
+        assert np.signbit(rounded[1].astype("float32"))
+
+
+@pytest.mark.parametrize("mode", ["tf_function", "jit"])
+def test_stochastic_rounding_is_reproducible_from_its_seed(mode):
+    values = np.random.default_rng(2).normal(size=(33, 5))
+    values = tf.constant(values.astype("float32"))
+
+    def round_with(seed):
+        return stochastic_round(values, "bfloat16", tf.constant(seed))
+
+    compiled = tf.function(round_with, jit_compile=mode == "jit")
+    first = round_with([1, 2]).numpy()
+    np.testing.assert_array_equal(compiled([1, 2]).numpy(), first)
+    assert not np.array_equal(round_with([1, 3]).numpy(), first)
+
+
+# --- Any inner optimizer's own update -----------------------------------------
+
+SHAPES = [(7, 5), (5,)]
+WEIGHTS = [_RNG.normal(size=shape).astype("float32") for shape in SHAPES]
+GRADIENTS = [
+    [
+        (_RNG.normal(size=shape) * 10 ** _RNG.uniform(-3, 1)).astype("float32")
+        for shape in SHAPES
+    ]
+    for _ in range(5)
+]
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "sgd_nesterov": lambda: keras.optimizers.SGD(
+        0.1, momentum=0.9, nesterov=True
+    ),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adam_amsgrad_clipnorm": lambda: keras.optimizers.Adam(
+        0.01, amsgrad=True, clipnorm=0.5
+    ),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "rmsprop_centered": lambda: keras.optimizers.RMSprop(
+        0.01, momentum=0.5, centered=True, global_clipnorm=1.0
+    ),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "adadelta": lambda: keras.optimizers.Adadelta(1.0),
+    "adamax": lambda: keras.optimizers.Adamax(0.01),
+    "nadam": lambda: keras.optimizers.Nadam(0.01),
+    "lion": lambda: keras.optimizers.Lion(0.01, clipvalue=0.1),
+    "lamb": lambda: keras.optimizers.Lamb(0.01),
+    "ftrl": lambda: keras.optimizers.Ftrl(0.1, l1_regularization_strength=0.1),
+    "adafactor": lambda: keras.optimizers.Adafactor(0.1),
+    "muon": lambda: keras.optimizers.Muon(0.01, adam_weight_decay=0.1),
+    "fused_adam_schedule": lambda: kmp.FusedAdam(
+        keras.optimizers.schedules.ExponentialDecay(0.1, 2, 0.5)
+    ),
+}
+
+
+def _train(optimizer, mode="tf_function", dtype="float32", grads=GRADIENTS):
+    variables = [keras.Variable(w, dtype=dtype) for w in WEIGHTS]
+    optimizer.build(variables)
+
+    def step(gradients):
+        optimizer.apply_gradients(zip(gradients, variables))
+
+    if mode != "eager":
+        step = tf.function(step, jit_compile=mode == "jit")
+    for gradients in grads:
+        step([tf.constant(g, dtype=dtype) for g in gradients])
+    return [v.numpy() for v in variables]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_float32_variables_get_the_inner_update_bit_for_bit(name):
+    make = OPTIMIZERS[name]
+    if name.startswith("fused"):  # It runs Keras's Adam update, unfused.
+        want = _train(
+            keras.optimizers.Adam(
+                keras.optimizers.schedules.ExponentialDecay(0.1, 2, 0.5)
+            )
+        )
+    else:
+        want = _train(make())
+    for rounding in ("kahan", "stochastic"):
+        got = _train(LowPrecisionOptimizer(make(), rounding))
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+    assert not np.array_equal(want[0], WEIGHTS[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_rounds_alike(mode):
+    def train(rounding, mode):
+        return _train(
+            LowPrecisionOptimizer(
+                keras.optimizers.Adam(0.01), rounding, seed=5
+            ),
+            mode,
+            "bfloat16",
+        )
+
+    for rounding in ("kahan", "stochastic"):
+        want = train(rounding, "eager")
+        for got, w in zip(train(rounding, mode), want):
+            # XLA may fuse a multiply and an add: a float32 rounding apart,
+            # which can move a bfloat16 result by one ulp.
+            np.testing.assert_allclose(
+                got.astype("float32"), w.astype("float32"), rtol=2**-7
+            )
+
+
+@pytest.mark.parametrize("rounding", ["kahan", "stochastic"])
+def test_compiled_update_rounds_like_the_plain_one(rounding, monkeypatch):
+    def train():
+        optimizer = LowPrecisionOptimizer(
+            keras.optimizers.Adam(0.01), rounding, slot_dtype="bfloat16", seed=5
+        )
+        return _train(optimizer, "tf_function", "bfloat16"), optimizer
+
+    want, _ = train()
+    monkeypatch.setattr(kmp.core.low_precision, "_COMPILE_MIN_ELEMENTS", 0)
+    got, optimizer = train()
+    assert len(optimizer._compiled) == len(SHAPES)
+    for g, w in zip(got, want):
+        # XLA may fuse a multiply and an add: one float32 rounding apart.
+        np.testing.assert_allclose(
+            g.astype("float32"), w.astype("float32"), rtol=2**-7
+        )
+
+
+@pytest.mark.parametrize("policy", ["bfloat16", "mixed_bfloat16"])
+def test_slots_in_bfloat16_with_float32_arithmetic(policy):
+    with kmp.policy_scope(policy):
+        layer = keras.layers.Dense(3)
+        layer.build((None, 4))
+    optimizer = LowPrecisionOptimizer(
+        keras.optimizers.Adam(0.01), slot_dtype="bfloat16"
+    )
+    optimizer.build(layer.trainable_variables)
+    slots = optimizer.inner_optimizer.variables[2:]
+    assert [v.dtype for v in slots] == ["bfloat16"] * 4
+    kahan = [v for v in optimizer.variables if "compensation" in v.path]
+    expected = 2 if policy == "bfloat16" else 0
+    assert [v.dtype for v in kahan] == ["bfloat16"] * expected
+    # Keras's default: slots in each variable's dtype.
+    default = LowPrecisionOptimizer(keras.optimizers.Adam(), slot_dtype=None)
+    default.build(layer.trainable_variables)
+    assert {v.dtype for v in default.inner_optimizer.variables[2:]} == {
+        layer.kernel.dtype
+    }
+
+
+def test_bfloat16_slots_follow_float32_adam_closely():
+    want = _train(keras.optimizers.Adam(0.01))
+    got = _train(
+        LowPrecisionOptimizer(
+            keras.optimizers.Adam(0.01), slot_dtype="bfloat16"
+        )
+    )
+    for g, w, start in zip(got, want, WEIGHTS):
+        # Within 2% of the distance travelled.
+        np.testing.assert_allclose(
+            g - start, w - start, atol=0.02 * np.abs(w - start).max()
+        )
+
+
+def test_bfloat16_training_learns_where_keras_alone_does_not():
+    # Keras's Adam on bfloat16 variables computes beta_2 = 0.999 in
+    # bfloat16, where it is 1.0: its bias correction is then 0, and no
+    # variable ever moves.
+    plain = _train(keras.optimizers.Adam(0.01), dtype="bfloat16")
+    for value, start in zip(plain, WEIGHTS):
+        np.testing.assert_array_equal(value, start.astype(BF16))
+    wrapped = _train(
+        LowPrecisionOptimizer(keras.optimizers.Adam(0.01)), dtype="bfloat16"
+    )
+    want = _train(keras.optimizers.Adam(0.01))
+    for value, w in zip(wrapped, want):
+        np.testing.assert_allclose(value.astype("float32"), w, atol=2e-2)
+
+
+@pytest.mark.parametrize("rounding", ["kahan", "stochastic", "nearest"])
+def test_fit_under_a_pure_bfloat16_policy(rounding):
+    kmp.set_global_policy("bfloat16")
+    x, y = _digits_like()
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(2),
+            keras.layers.Activation("softmax", dtype="float32"),
+        ]
+    )
+    optimizer = LowPrecisionOptimizer(
+        keras.optimizers.Adam(1e-2), rounding, seed=0
+    )
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+    history = model.fit(x, y, batch_size=16, epochs=4, verbose=0)
+    assert history.history["loss"][-1] < 0.8 * history.history["loss"][0]
+    assert int(optimizer.iterations) == 24
+    assert {v.dtype for v in model.trainable_variables} == {"bfloat16"}
+
+
+# --- Loss scaling -------------------------------------------------------------
+
+
+def _float16_model():
+    kmp.set_global_policy("float16")
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(1),
+            keras.layers.Activation("linear", dtype="float32"),
+        ]
+    )
+    kmp.set_global_policy(None)
+    return model
+
+
+def _state(model, optimizer):
+    return [v.numpy().copy() for v in model.trainable_variables] + [
+        v.numpy().copy() for v in optimizer.variables
+    ]
+
+
+def test_inside_a_loss_scale_optimizer_float16_trains_and_skips_exactly(
+    compiled,
+):
+    model = _float16_model()
+    # float16 slots would underflow: Adam's second moment is a gradient
+    # squared (Keras's float16 Adam diverges on this model).
+    inner = LowPrecisionOptimizer(
+        keras.optimizers.Adam(1e-2), slot_dtype="bfloat16", seed=0
+    )
+    optimizer = kmp.LossScaleOptimizer(inner, initial_scale=2.0**10)
+    x = np.random.default_rng(1).normal(size=(64, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    model.compile(optimizer=optimizer, loss="mse")
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert any("compensation" in v.path for v in optimizer.variables)
+
+    @tf.function
+    def step(gradients):
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+
+    finite = [tf.ones_like(v) * 1e-3 for v in model.trainable_variables]
+    step(finite)
+    before = _state(model, optimizer)
+    skipped = int(optimizer.skipped_steps)
+    bad = [g * np.inf if i == 1 else g for i, g in enumerate(finite)]
+    step(bad)
+    after = _state(model, optimizer)
+    # Only the loss-scale optimizer's own scale and skip counts change.
+    changed = [
+        v.path
+        for v, b, a in zip(
+            model.trainable_variables + optimizer.variables,
+            before,
+            after,
+        )
+        if not np.array_equal(b, a)
+    ]
+    assert changed == [
+        "loss_scale_optimizer/step_counter",
+        "loss_scale_optimizer/dynamic_scale",
+        "loss_scale_optimizer/skipped_steps",
+        "loss_scale_optimizer/consecutive_skips",
+    ]
+    assert int(optimizer.skipped_steps) == skipped + 1
+
+
+# --- Saving and resuming ------------------------------------------------------
+
+
+def _digits_like(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(96, 8)).astype("float32")
+    return x, (x[:, :3].sum(axis=1) > 0).astype("int32")
+
+
+def _bfloat16_model():
+    with kmp.policy_scope("bfloat16"):
+        keras.utils.set_random_seed(1)
+        return keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(2),
+                keras.layers.Activation("linear", dtype="float32"),
+            ]
+        )
+
+
+def _trainer(model, optimizer):
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    return step
+
+
+def test_config_round_trip():
+    optimizer = LowPrecisionOptimizer(
+        kmp.FusedAdam(0.02, beta_1=0.8),
+        rounding="stochastic",
+        slot_dtype="bfloat16",
+        seed=42,
+        name="low",
+    )
+    config = optimizer.get_config()
+    clone = LowPrecisionOptimizer.from_config(config)
+    assert isinstance(clone.inner_optimizer, kmp.FusedAdam)
+    assert clone.get_config() == config
+    assert (clone.rounding, clone.slot_dtype, int(clone.seed)) == (
+        "stochastic",
+        "bfloat16",
+        42,
+    )
+    same = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+    assert same.get_config() == config
+
+
+@pytest.mark.parametrize(
+    "rounding, compiled",
+    [("kahan", "plain"), ("stochastic", "plain"), ("stochastic", "compiled")],
+    indirect=["compiled"],
+)
+def test_resumed_run_is_bit_identical(rounding, compiled, tmp_path):
+    x, y = _digits_like()
+    batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 96, 16)]
+
+    def fresh():
+        model = _bfloat16_model()
+        optimizer = LowPrecisionOptimizer(
+            keras.optimizers.Adam(3e-3), rounding, slot_dtype="bfloat16"
+        )  # seed=None: drawn, and restored from the checkpoint.
+        return model, optimizer, _trainer(model, optimizer)
+
+    model, optimizer, step = fresh()
+    for batch in batches:
+        step(*batch)
+    uninterrupted = _state(model, optimizer)
+
+    model, optimizer, step = fresh()
+    for batch in batches[:3]:
+        step(*batch)
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    path = checkpoint.save(os.path.join(tmp_path, "ckpt"))
+    model, optimizer, step = fresh()
+    tf.train.Checkpoint(model=model, optimizer=optimizer).restore(
+        path
+    ).assert_consumed()
+    for batch in batches[3:]:
+        step(*batch)
+    for got, want in zip(_state(model, optimizer), uninterrupted):
+        np.testing.assert_array_equal(got, want)
+    names = {v.path.split("/")[-1] for v in optimizer.variables}
+    assert "seed" in names
+    assert any("compensation" in n for n in names) == (rounding == "kahan")
+
+
+def test_saved_model_reloads_with_its_buffers(tmp_path):
+    x, y = _digits_like()
+    model = _bfloat16_model()
+    model.compile(
+        optimizer=LowPrecisionOptimizer(keras.optimizers.SGD(0.1), seed=3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    path = os.path.join(tmp_path, "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded.optimizer, LowPrecisionOptimizer)
+    assert loaded.optimizer.get_config() == model.optimizer.get_config()
+    assert len(loaded.optimizer.variables) == len(model.optimizer.variables)
+    for got, want in zip(loaded.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+# --- Distribution -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "rounding, compiled",
+    [("kahan", "plain"), ("stochastic", "plain"), ("kahan", "compiled")],
+    indirect=["compiled"],
+)
+def test_every_replica_rounds_identically(two_replicas, rounding, compiled):
+    x, y = _digits_like()
+    with two_replicas.scope():
+        model = _bfloat16_model()
+        optimizer = LowPrecisionOptimizer(
+            keras.optimizers.Adam(1e-2), rounding, seed=4
+        )
+        optimizer.build(model.trainable_variables)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="sum"
+    )
+
+    def replica_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True)) / 96.0
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    dataset = two_replicas.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+    )
+
+    @tf.function
+    def step(x, y):
+        two_replicas.run(replica_step, args=(x, y))
+
+    start = [v.numpy() for v in model.trainable_variables]
+    for batch in dataset:
+        step(*batch)
+    assert optimizer.iterations.numpy() == 3
+    for variable, first in zip(
+        model.trainable_variables + optimizer.variables,
+        start + [None] * len(optimizer.variables),
+    ):
+        copies = [c.numpy() for c in variable.value.values]
+        np.testing.assert_array_equal(copies[0], copies[1])
+        if first is not None:
+            assert not np.array_equal(copies[0], first)
+
+
+# --- Bad input is refused at the call -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make_inner, kwargs, error, fragment",
+    [
+        (lambda: "adam", {}, TypeError, "inner_optimizer='adam' of type str"),
+        (
+            lambda: kmp.LossScaleOptimizer(keras.optimizers.Adam()),
+            {},
+            TypeError,
+            "kmp.LossScaleOptimizer(kmp.LowPrecisionOptimizer(...))",
+        ),
+        (
+            lambda: LowPrecisionOptimizer(keras.optimizers.Adam()),
+            {},
+            TypeError,
+            "must be a plain Keras optimizer",
+        ),
+        (
+            lambda: keras.optimizers.Adam(use_ema=True),
+            {},
+            ValueError,
+            "use_ema=True",
+        ),
+        (
+            lambda: keras.optimizers.SGD(gradient_accumulation_steps=2),
+            {},
+            ValueError,
+            "gradient_accumulation_steps=2",
+        ),
+        (
+            lambda: keras.optimizers.SGD(loss_scale_factor=8.0),
+            {},
+            ValueError,
+            "wrap in kmp.LossScaleOptimizer instead",
+        ),
+        (
+            keras.optimizers.Adam,
+            {"rounding": "up"},
+            ValueError,
+            "rounding='up'",
+        ),
+        (keras.optimizers.Adam, {"rounding": 1}, TypeError, "rounding=1"),
+        (
+            keras.optimizers.Adam,
+            {"slot_dtype": "int8"},
+            ValueError,
+            "'slot_dtype' must be one of None, 'bfloat16', 'float16', "
+            "'float32'. Received: slot_dtype='int8'",
+        ),
+        (
+            keras.optimizers.Adam,
+            {"slot_dtype": tf.bfloat16},
+            TypeError,
+            "slot_dtype=tf.bfloat16",
+        ),
+        (keras.optimizers.Adam, {"seed": -1}, ValueError, "seed=-1"),
+        (keras.optimizers.Adam, {"seed": 2**63}, ValueError, "2**63 - 1"),
+        (keras.optimizers.Adam, {"seed": 1.5}, TypeError, "seed=1.5"),
+        (keras.optimizers.Adam, {"seed": True}, TypeError, "seed=True"),
+    ],
+)
+def test_bad_arguments_are_refused(make_inner, kwargs, error, fragment):
+    with pytest.raises(error) as info:
+        LowPrecisionOptimizer(make_inner(), **kwargs)
+    assert fragment in str(info.value)
+
+
+def test_a_built_inner_optimizer_is_refused():
+    inner = keras.optimizers.Adam()
+    inner.build([keras.Variable(np.ones(2, "float32"))])
+    with pytest.raises(ValueError, match="must not be built yet"):
+        LowPrecisionOptimizer(inner)
+
+
+def test_a_config_without_inner_optimizer_is_refused():
+    with pytest.raises(ValueError, match="'inner_optimizer'"):
+        LowPrecisionOptimizer.from_config({"rounding": "kahan"})
+
+
+@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+def test_a_bad_gradient_is_refused_before_any_update(mode):
+    first = keras.Variable(np.ones(3), dtype="bfloat16", name="first")
+    second = keras.Variable(np.ones((2, 2)), dtype="bfloat16", name="second")
+    optimizer = LowPrecisionOptimizer(keras.optimizers.SGD(0.1))
+    optimizer.build([first, second])
+
+    def step(bad):
+        optimizer.apply([tf.ones(3), bad], [first, second])
+
+    if mode == "tf_function":
+        step = tf.function(step)
+    with pytest.raises(ValueError, match=r"'second' \(position 1\) must have"):
+        step(tf.ones((2, 1)))
+    with pytest.raises(TypeError, match=r"'second' \(position 1\) must be"):
+        step(tf.ones((2, 2), "int32"))
+    assert int(optimizer.iterations) == 0
+    np.testing.assert_array_equal(first.numpy(), np.ones(3, BF16))

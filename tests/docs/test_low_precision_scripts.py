@@ -1,0 +1,130 @@
+"""guides/bfloat16_weights.py and benchmarks/bf16_all_the_way.py run and
+show what they say.
+
+Both start together when this module starts, each in a fresh interpreter:
+the guide with `KMP_GUIDE_SMALL=1`, the benchmark with `--quick` on two
+configurations. The tests check the facts the guide's prose states against
+what it printed, and that the benchmark prints its tables and goals.
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+GUIDE = ["guides/bfloat16_weights.py"]
+BENCHMARK = [
+    "benchmarks/bf16_all_the_way.py",
+    "--quick",
+    "--tasks",
+    "digits,memory",
+    "--configs",
+    "float32,bf16+kahan",
+    "--plot",
+    "",
+]
+_running = {}
+_outputs = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_scripts(tmp_path_factory):
+    environment = dict(
+        os.environ,
+        KMP_GUIDE_SMALL="1",
+        KERAS_BACKEND="tensorflow",
+        TF_CPP_MIN_LOG_LEVEL="3",
+        TMPDIR=str(tmp_path_factory.mktemp("bf16")),
+    )
+    for command in (GUIDE, BENCHMARK):
+        _running[command[0]] = subprocess.Popen(
+            [sys.executable, *command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=environment,
+            cwd=ROOT,
+        )
+    yield
+    for process in _running.values():
+        process.kill()
+        process.communicate()
+
+
+def _output(command):
+    """The script's stdout, once it has finished; fails unless it exited 0."""
+    name = command[0]
+    if name not in _outputs:
+        stdout, stderr = _running[name].communicate(timeout=300)
+        assert _running[name].returncode == 0, (
+            f"{name} failed:\n{stdout[-2000:]}\n{stderr[-3000:]}"
+        )
+        _outputs[name] = stdout
+    return _outputs[name]
+
+
+@pytest.fixture(scope="module")
+def guide():
+    return _output(GUIDE)
+
+
+def test_guide_shows_why_bfloat16_weights_stall(guide):
+    assert "bfloat16: 1 + 0.001 = 1.0" in guide
+    assert "bfloat16: 0.999 = 1.0" in guide
+    assert "Keras Adam, 5 steps on bfloat16: [1. 1. 1.]" in guide
+    for rounding in ("kahan", "stochastic"):
+        moved = re.search(rf"{rounding}, 5 steps on bfloat16: \[(\S+)", guide)
+        assert moved and float(moved.group(1)) < 0.96
+
+
+def test_guide_stream_errors_are_as_described(guide):
+    errors = dict(
+        (name, (float(average), float(mean)))
+        for name, average, mean in re.findall(
+            r"(\S+(?: SGD)?) after \d+ tiny steps: error ([\d.]+) ulp on "
+            r"average, mean ([-+\d.]+) ulp",
+            guide,
+        )
+    )
+    assert errors["kahan"][0] < 0.5
+    assert abs(errors["stochastic"][1]) < 1.5 < errors["stochastic"][0]
+    assert errors["nearest"][1] < -5 and errors["Keras SGD"][1] < -5
+
+
+def test_guide_trains_digits_in_pure_bfloat16(guide):
+    rows = dict(
+        (name.strip(), (float(accuracy), int(size)))
+        for name, accuracy, size in re.findall(
+            r"(.+): test accuracy +([\d.]+)%, train loss [\d.]+, (\d+) bytes",
+            guide,
+        )
+    )
+    assert rows["float32"][1] == rows["mixed_bfloat16"][1] == 12
+    assert rows["mixed_bfloat16, bf16 slots"][1] == 8
+    assert rows["bfloat16 + kahan"][1] == 8
+    assert rows["bfloat16 + stochastic"][1] == 6
+    assert rows["bfloat16, Keras Adam"][0] < 30  # Never moves.
+    for name in ("bfloat16 + kahan", "bfloat16 + stochastic"):
+        assert rows[name][0] > rows["float32"][0] - 3
+
+
+def test_guide_reloads_bfloat16_slots(guide):
+    assert (
+        "reloaded slots: ['bfloat16', 'float32', 'int64'] same values: True"
+        in guide
+    )
+    assert "float16 recipe: LowPrecisionOptimizer" in guide
+
+
+def test_benchmark_quick_run_prints_tables_and_goals():
+    out = _output(BENCHMARK)
+    assert "cpu flags:" in out
+    assert re.search(r"digits: accuracy", out)
+    assert re.search(r"\nbf16\+kahan +[\d.]+ +- +[-+][\d.]+ ", out)
+    assert re.search(r"\nbf16\+kahan +[\d.]+ +[\d.]+ +[\d.]+ \[", out)
+    assert "Goals (issue 18):" in out
+    assert re.search(r"memory bf16\+kahan: [\d.]+x of float32 <= 0.45x", out)
