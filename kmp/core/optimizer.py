@@ -25,7 +25,6 @@ from typing import Optional
 
 import keras
 from keras import ops
-from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.saving import serialization_lib
 
 from kmp.core import backend
@@ -35,6 +34,7 @@ from kmp.core import optimizer_arguments as arguments
 from kmp.core import recipes as recipes_module
 from kmp.core import scaling
 from kmp.core import stateless
+from kmp.core import steps
 from kmp.core.optimizer_arguments import ArgumentTypeError
 from kmp.core.optimizer_state import PersistentSkipsWarning
 from kmp.core.optimizer_state import StateMixin
@@ -345,7 +345,9 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
         >>> float(opt.stateless_scale_loss(values, 0.5))
         2.0
         """
-        scaled = self._scaled(loss, self._scale_value(optimizer_variables))
+        scaled = self._scaled(
+            loss, stateless.scale_of(self, optimizer_variables)
+        )
         self._recipes.scale_called(recipes_module.SCALED)
         return scaled
 
@@ -355,23 +357,10 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
         `stateless_apply` applies its results as they are.
         """
         grads = arguments.checked_gradient_list(grads, "grads")
-        scale = self._scale_value(optimizer_variables)
+        scale = stateless.scale_of(self, optimizer_variables)
         unscaled = scaling.unscale_gradients(grads, scale)
         self._recipes.unscale_called(grads, unscaled)
         return unscaled
-
-    def _scale_value(self, optimizer_variables):
-        optimizer_variables = list(optimizer_variables)
-        if len(optimizer_variables) != len(self.variables):
-            raise ValueError(
-                "'optimizer_variables' must hold one value per variable of "
-                f"optimizer.variables ({len(self.variables)}). Received "
-                f"{len(optimizer_variables)} values."
-            )
-        index = next(
-            i for i, v in enumerate(self.variables) if v is self.dynamic_scale
-        )
-        return optimizer_variables[index]
 
     def _scaled(self, loss, scale):
         loss = arguments.checked_loss(loss)
@@ -466,94 +455,19 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
             with backend_name_scope(self):
                 self.build(trainable_variables)
             self.built = True
+        self._check_variables_are_known(trainable_variables)
         scaled = self._recipes.grads_are_scaled(grads)
-        grads = self._raw_overwrite_gradients(grads, trainable_variables)
+        grads = steps.raw_overwrite_gradients(self, grads, trainable_variables)
         self._recipes.applied()
         with backend_name_scope(self):
             if backend.is_tensorflow():
                 tf_steps.apply(self, grads, trainable_variables, scaled)
             elif backend.is_jax():
-                self._apply_through_stateless(
-                    grads, trainable_variables, scaled
+                stateless.apply_to_variables(
+                    self, grads, trainable_variables, scaled
                 )
             else:
-                self._apply_eagerly(grads, trainable_variables, scaled)
-
-    def _raw_overwrite_gradients(self, grads, variables):
-        """For variables Keras overwrites with their "gradient" (float8
-        scales and amax histories), what `get_unscaled_gradients` was given,
-        not its quotient: they are values, not scaled gradients."""
-        return [
-            self._recipes.unscaled_input(g)
-            if g is not None
-            and self._overwrite_variable_with_gradient(v)
-            and self._recipes.unscaled_input(g) is not None
-            else g
-            for g, v in zip(grads, variables)
-        ]
-
-    def prepare_gradients(self, grads, variables, scaled):
-        """Unscaled gradients and the step's finite flags.
-
-        Returns `(grads, finite, apply_ok, finite_per_gradient)`: whether the
-        gradients are finite (what the rule sees) and whether the step is
-        applied (also needs a finite learning rate).
-        """
-        if scaled:
-            keep = {
-                i
-                for i, v in enumerate(variables)
-                if self._overwrite_variable_with_gradient(v)
-            }
-            grads = scaling.unscale_gradients(grads, self.dynamic_scale, keep)
-        if self._record_nonfinite:
-            per_gradient = scaling.finite_per_gradient(grads)
-            finite = ops.all(ops.stack(per_gradient))
-        else:
-            per_gradient = None
-            finite = scaling.all_finite(grads)
-        rate = _current_learning_rate(self._inner_optimizer)
-        apply_ok = finite
-        if rate is not None:
-            apply_ok = ops.logical_and(
-                finite, ops.all(ops.isfinite(ops.cast(rate, "float32")))
-            )
-        return grads, finite, apply_ok, per_gradient
-
-    def _apply_eagerly(self, grads, variables, scaled):
-        grads, finite, apply_ok, per_gradient = self.prepare_gradients(
-            grads, variables, scaled
-        )
-        if bool(ops.convert_to_numpy(apply_ok)):
-            self._inner_optimizer.apply(grads, variables)
-        self.update_state(finite, apply_ok, per_gradient, variables)
-        self.report_persistent_skips_now()
-
-    def _apply_through_stateless(self, grads, variables, scaled):
-        if in_stateless_scope():
-            raise RuntimeError(
-                "On JAX, call stateless_apply(optimizer_variables, grads, "
-                "trainable_variables) inside a stateless function, not apply."
-            )
-        optimizer_values = [v.value for v in self.variables]
-        trained = list(self._trainable_variables)
-        positions = {id(v): i for i, v in enumerate(trained)}
-        all_grads = [None] * len(trained)
-        for gradient, variable in zip(grads, variables):
-            all_grads[positions[id(variable)]] = gradient
-        new_trained, new_optimizer = stateless.apply(
-            self,
-            optimizer_values,
-            all_grads,
-            [v.value for v in trained],
-            scaled,
-            report=False,
-        )
-        for variable, value in zip(trained, new_trained):
-            variable.assign(value)
-        for variable, value in zip(self.variables, new_optimizer):
-            variable.assign(value)
-        self.report_persistent_skips_now()
+                steps.apply_eagerly(self, grads, trainable_variables, scaled)
 
     def stateless_apply(
         self, optimizer_variables, grads, trainable_variables, *, scaled=None
@@ -620,15 +534,6 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
-
-
-def _current_learning_rate(optimizer):
-    """The optimizer's learning rate now, or None if it has no single one
-    (a `MultiOptimizer`'s are its sub-optimizers')."""
-    try:
-        return optimizer.learning_rate
-    except (AttributeError, NotImplementedError):
-        return None
 
 
 def backend_name_scope(optimizer):

@@ -47,7 +47,7 @@ class _ThreadState:
         self.inputs = {}
         # id of an output -> the gradient it was made from, kept until the
         # next apply: a float8 variable's "gradient" is a value, applied as
-        # given (see LossScaleOptimizer._raw_overwrite_gradients).
+        # given (see kmp.core.steps.raw_overwrite_gradients).
         self.given_for = {}
 
 

@@ -11,8 +11,10 @@ stateful step, inside a Keras `StatelessScope`.
 
 from keras import ops
 from keras.src.backend.common.stateless_scope import StatelessScope
+from keras.src.backend.common.stateless_scope import in_stateless_scope
 
 from kmp.core import backend
+from kmp.core import steps
 
 
 def apply(
@@ -50,7 +52,7 @@ def apply(
         )
     if scaled is None:
         scaled = optimizer._recipes.grads_are_scaled(grads)
-    grads = optimizer._raw_overwrite_gradients(grads, variables)
+    grads = steps.raw_overwrite_gradients(optimizer, grads, variables)
     optimizer._recipes.applied()
     own_count = len(optimizer._variables)
     inner_values = optimizer_variables[own_count:]
@@ -58,8 +60,8 @@ def apply(
     mapping += list(zip(variables, trainable_variables))
 
     with StatelessScope(state_mapping=mapping):
-        grads, finite, apply_ok, per_gradient = optimizer.prepare_gradients(
-            grads, variables, scaled
+        grads, finite, apply_ok, per_gradient = steps.prepare(
+            optimizer, grads, variables, scaled
         )
 
     inner = optimizer.inner_optimizer
@@ -84,6 +86,52 @@ def apply(
     if report:
         _report(optimizer, in_a_row, scale)
     return new_trainable, new_own + new_inner
+
+
+def apply_to_variables(optimizer, grads, variables, scaled):
+    """A stateful step on JAX (an eager `apply`): `apply` on the variables'
+    values, whose results are then assigned."""
+    if in_stateless_scope():
+        raise RuntimeError(
+            "On JAX, call stateless_apply(optimizer_variables, grads, "
+            "trainable_variables) inside a stateless function, not apply."
+        )
+    trained = list(optimizer._trainable_variables)
+    positions = {id(v): i for i, v in enumerate(trained)}
+    all_grads = [None] * len(trained)
+    for gradient, variable in zip(grads, variables):
+        all_grads[positions[id(variable)]] = gradient
+    new_trained, new_optimizer = apply(
+        optimizer,
+        [v.value for v in optimizer.variables],
+        all_grads,
+        [v.value for v in trained],
+        scaled,
+        report=False,
+    )
+    for variable, value in zip(trained, new_trained):
+        variable.assign(value)
+    for variable, value in zip(optimizer.variables, new_optimizer):
+        variable.assign(value)
+    optimizer.report_persistent_skips_now()
+
+
+def scale_of(optimizer, optimizer_variables):
+    """The loss scale among `optimizer_variables` (values of
+    `optimizer.variables`, in order)."""
+    optimizer_variables = list(optimizer_variables)
+    if len(optimizer_variables) != len(optimizer.variables):
+        raise ValueError(
+            "'optimizer_variables' must hold one value per variable of "
+            f"optimizer.variables ({len(optimizer.variables)}). Received "
+            f"{len(optimizer_variables)} values."
+        )
+    index = next(
+        i
+        for i, v in enumerate(optimizer.variables)
+        if v is optimizer.dynamic_scale
+    )
+    return optimizer_variables[index]
 
 
 def _report(optimizer, in_a_row, scale):

@@ -9,6 +9,7 @@ applied at once and undone on a skipped step.
 """
 
 from kmp.core import backend
+from kmp.core import steps
 from kmp.core import tf_apply
 from kmp.core.fused import FusedAdam
 
@@ -20,8 +21,8 @@ def apply(optimizer, grads, variables, scaled: bool) -> None:
     distributed = tf.distribute.has_strategy()
     if distributed:
         grads = tf_apply.sum_over_replicas(grads)
-    grads, finite, apply_ok, per_gradient = optimizer.prepare_gradients(
-        grads, variables, scaled
+    grads, finite, apply_ok, per_gradient = steps.prepare(
+        optimizer, grads, variables, scaled
     )
     inner = optimizer.inner_optimizer
     if tf.executing_eagerly() and not distributed:

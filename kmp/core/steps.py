@@ -1,0 +1,78 @@
+"""One `LossScaleOptimizer` step, the part every backend shares.
+
+`prepare` unscales the gradients (when they are scaled) and decides whether
+the step is applied: all gradients finite, and a finite learning rate (a
+NaN learning rate would write NaN into every weight). `apply_eagerly` runs a
+whole step where values are concrete (torch, TensorFlow eagerly).
+TensorFlow's graphs and `tf.distribute` are `kmp.core.tf_steps`; JAX's pure
+step is `kmp.core.stateless`.
+"""
+
+from keras import ops
+
+from kmp.core import scaling
+
+
+def raw_overwrite_gradients(optimizer, grads, variables):
+    """For variables Keras overwrites with their "gradient" (float8 scales
+    and amax histories), what `get_unscaled_gradients` was given, not its
+    quotient: they are values, not scaled gradients."""
+    recipes = optimizer._recipes
+    return [
+        recipes.unscaled_input(g)
+        if g is not None
+        and optimizer._overwrite_variable_with_gradient(v)
+        and recipes.unscaled_input(g) is not None
+        else g
+        for g, v in zip(grads, variables)
+    ]
+
+
+def current_learning_rate(optimizer):
+    """The optimizer's learning rate now, or None if it has no single one
+    (a `MultiOptimizer`'s are its sub-optimizers')."""
+    try:
+        return optimizer.learning_rate
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def prepare(optimizer, grads, variables, scaled):
+    """Unscaled gradients and the step's finite flags.
+
+    Returns `(grads, finite, apply_ok, finite_per_gradient)`: whether the
+    gradients are finite (what the scale rule sees) and whether the step is
+    applied (which also needs a finite learning rate); the per-gradient
+    flags only with `record_nonfinite=True`, else None.
+    """
+    if scaled:
+        keep = {
+            i
+            for i, v in enumerate(variables)
+            if optimizer._overwrite_variable_with_gradient(v)
+        }
+        grads = scaling.unscale_gradients(grads, optimizer.dynamic_scale, keep)
+    if optimizer._record_nonfinite:
+        per_gradient = scaling.finite_per_gradient(grads)
+        finite = ops.all(ops.stack(per_gradient))
+    else:
+        per_gradient = None
+        finite = scaling.all_finite(grads)
+    rate = current_learning_rate(optimizer.inner_optimizer)
+    apply_ok = finite
+    if rate is not None:
+        apply_ok = ops.logical_and(
+            finite, ops.all(ops.isfinite(ops.cast(rate, "float32")))
+        )
+    return grads, finite, apply_ok, per_gradient
+
+
+def apply_eagerly(optimizer, grads, variables, scaled):
+    """A whole step on concrete values: check, apply or skip, update."""
+    grads, finite, apply_ok, per_gradient = prepare(
+        optimizer, grads, variables, scaled
+    )
+    if bool(ops.convert_to_numpy(apply_ok)):
+        optimizer.inner_optimizer.apply(grads, variables)
+    optimizer.update_state(finite, apply_ok, per_gradient, variables)
+    optimizer.report_persistent_skips_now()
