@@ -5,12 +5,13 @@ Every benchmark compares configurations of one model inside one process:
 * `build_config` makes a model under a policy, an optimizer and one training
   step (a `tf.function` call: a custom loop, or the train function `fit` runs
   per batch), returning a `Config`.
-* `measure` traces and warms every configuration up first (tracing and the
-  slow steps right after it are never timed), then runs rounds: in each round
-  every configuration runs a few steps, one after another, in an order that
-  rotates from round to round, so a machine that slows down or speeds up
-  affects all of them alike. Every step is timed on its own and synchronised
-  by fetching its loss.
+* `measure` times them with `kmp.tools.timing`, the toolkit `kmp bench`
+  uses too: it traces and warms every configuration up first (tracing and
+  the slow steps right after it are never timed), then runs rounds: in each
+  round every configuration runs a few steps, one after another, in an
+  order that rotates from round to round, so a machine that slows down or
+  speeds up affects all of them alike. Every step is timed on its own and
+  synchronised by fetching its loss.
 * `Timing` keeps the step times; `ratio` compares two configurations round by
   round, which cancels slow drift of the machine; `print_machine` and
   `print_table` print the results with what they were measured on.
@@ -32,8 +33,6 @@ import argparse
 import dataclasses
 import gc
 import os
-import statistics
-import time
 from typing import Any
 from typing import Callable
 from typing import Dict
@@ -51,6 +50,7 @@ import tensorflow as tf  # noqa: E402
 from report import MODEL_NAMES  # noqa: E402
 
 import kmp  # noqa: E402
+from kmp.tools import timing  # noqa: E402
 
 # The sizes measured by default, and the tiny ones `--quick` uses to check
 # that a script runs at all. `batch` is the batch size of a training step.
@@ -494,147 +494,66 @@ def build_config(
 
 # --- Timing -------------------------------------------------------------------
 
-
-def _run_synchronised(step) -> float:
-    """Runs one step and fetches its loss; returns the seconds it took."""
-    start = time.perf_counter()
-    step().numpy()
-    return time.perf_counter() - start
-
-
-@dataclasses.dataclass
-class Timing:
-    """What `measure` recorded for one configuration.
-
-    Attributes:
-        label: The configuration's label.
-        trace_seconds: The first call (tracing and the first step).
-        warmup_steps: Steps run after it before timing started.
-        warmup_last: Median seconds of the last warm-up steps.
-        times: Every timed step, in seconds, in the order run.
-        round_medians: The median step time of each round.
-        skipped: Steps the optimizer skipped (inf/NaN gradients) while timed;
-            None for a step without an optimizer.
-    """
-
-    label: str
-    trace_seconds: float
-    warmup_steps: int
-    warmup_last: float
-    times: List[float] = dataclasses.field(default_factory=list)
-    round_medians: List[float] = dataclasses.field(default_factory=list)
-    skipped: Optional[int] = 0
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.times)
-
-    def quantiles(self):
-        """`(min, first quartile, median, third quartile, max)` seconds."""
-        times = sorted(self.times)
-        if len(times) < 2:
-            return (times[0],) * 5
-        q1, q2, q3 = statistics.quantiles(times, n=4, method="inclusive")
-        return times[0], q1, q2, q3, times[-1]
+# The toolkit `kmp bench` uses too (see kmp/tools/timing.py).
+Timing = timing.Timing
+Ratio = timing.Ratio
+ratio = timing.ratio
 
 
 def warm_up(step, minimum: int, maximum: int, window: int = 5):
     """Traces `step` and runs it until its step time settles.
 
-    Right after tracing, steps can be many times slower than later ones
-    (float16 steps on CPU: 15-20x for a while), so warm-up runs at least
-    `minimum` steps, then stops once the median of the last `window` steps is
-    within 10% of the median of the `window` before them, or after `maximum`
-    steps.
+    `kmp.tools.timing.warm_up`: after the first call, at least `minimum`
+    and at most `maximum` steps, until the median of the last `window` is
+    within 10% of the `window` before (steps right after tracing can be
+    many times slower than later ones, see README.md).
 
     Returns:
         `(trace_seconds, warmup_steps, median of the last window)`.
     """
-    trace_seconds = _run_synchronised(step)
-    times = []
-    while len(times) < maximum:
-        times.append(_run_synchronised(step))
-        if len(times) >= max(minimum, 2 * window):
-            last = statistics.median(times[-window:])
-            before = statistics.median(times[-2 * window : -window])
-            if abs(last - before) <= 0.1 * before:
-                break
-    return trace_seconds, len(times), statistics.median(times[-window:])
+    return timing.warm_up(step, minimum, maximum, window)
 
 
 def measure(configs: Sequence[Config], args) -> Dict[str, Timing]:
     """Warms every configuration up, then times them interleaved.
 
-    In round `r` the configurations run in the order rotated by `r`; each
-    runs one untimed step (so it does not pay for the one before it) and then
-    `args.steps` timed steps. Python's garbage collector is off while timing.
+    `kmp.tools.timing.measure` with the command line's settings: in round
+    `r` the configurations run in the order rotated by `r`; each runs one
+    untimed step and then `args.steps` timed steps. Also counts the steps
+    each configuration's optimizer skipped (`Timing.skipped`).
 
     Returns:
         `{label: Timing}` in the order of `configs`.
     """
-    timings = {}
+
+    def log(line):
+        print(line, flush=True)
+
+    applied_before = {}
+
+    def warmed_up(config, _):
+        if config.optimizer is not None:
+            applied_before[config.label] = _applied(config)
+
+    timings = timing.measure(
+        configs,
+        rounds=args.rounds,
+        steps=args.steps,
+        warmup_min=args.warmup_min,
+        warmup_max=args.warmup_max,
+        warmed_up=warmed_up,
+        log=log,
+    )
+    steps_run = args.rounds * (args.steps + 1)  # With each round's untimed.
     for config in configs:
-        trace, count, last = warm_up(
-            config.step, args.warmup_min, args.warmup_max
-        )
-        timings[config.label] = Timing(config.label, trace, count, last)
-        print(
-            f"  warmed up {config.label}: first call {trace:.2f} s, "
-            f"{count} warm-up steps, last {last * 1e3:.2f} ms/step",
-            flush=True,
-        )
-    applied_before = {
-        c.label: int(c.optimizer.iterations.numpy())
-        for c in configs
-        if c.optimizer is not None
-    }
-    for round_index in range(args.rounds):
-        shift = round_index % len(configs)
-        for config in list(configs[shift:]) + list(configs[:shift]):
-            timing = timings[config.label]
-            config.step().numpy()
-            gc.collect()
-            gc.disable()
-            try:
-                times = [
-                    _run_synchronised(config.step) for _ in range(args.steps)
-                ]
-            finally:
-                gc.enable()
-            timing.times.extend(times)
-            timing.round_medians.append(statistics.median(times))
-    steps_run = args.rounds * (args.steps + 1)
-    for config in configs:
-        if config.optimizer is None:
-            timings[config.label].skipped = None
-            continue
-        applied = int(config.optimizer.iterations.numpy())
-        applied -= applied_before[config.label]
-        timings[config.label].skipped = steps_run - applied
+        if config.optimizer is not None:
+            applied = _applied(config) - applied_before[config.label]
+            timings[config.label].skipped = steps_run - applied
     return timings
 
 
-@dataclasses.dataclass
-class Ratio:
-    """`a / b` of two configurations' step times, from round-by-round ratios.
-
-    Attributes:
-        median: The median over rounds of (a's round median / b's).
-        low, high: The smallest and largest round ratio.
-    """
-
-    median: float
-    low: float
-    high: float
-
-    def __str__(self):
-        return f"{self.median:.3f} [{self.low:.3f}-{self.high:.3f}]"
-
-
-def ratio(a: Timing, b: Timing) -> Ratio:
-    """a's step time over b's, round by round (see `Ratio`)."""
-    rounds = [x / y for x, y in zip(a.round_medians, b.round_medians)]
-    return Ratio(statistics.median(rounds), min(rounds), max(rounds))
+def _applied(config) -> int:
+    return int(config.optimizer.iterations.numpy())
 
 
 # --- Printing -----------------------------------------------------------------
@@ -662,18 +581,18 @@ def print_machine(title: str, args: argparse.Namespace) -> None:
 def timing_rows(timings: Dict[str, Timing]) -> List[List[str]]:
     """Rows for `print_table(TIMING_HEADERS, ...)`: one per configuration."""
     rows = []
-    for timing in timings.values():
-        low, q1, median, q3, high = (t * 1e3 for t in timing.quantiles())
+    for measured in timings.values():
+        low, q1, median, q3, high = (t * 1e3 for t in measured.quantiles())
         rows.append(
             [
-                timing.label,
+                measured.label,
                 f"{median:.3f}",
                 f"{q1:.3f}-{q3:.3f}",
                 f"{low:.3f}-{high:.3f}",
-                str(len(timing.times)),
-                f"{timing.trace_seconds:.2f}",
-                str(timing.warmup_steps),
-                "-" if timing.skipped is None else str(timing.skipped),
+                str(len(measured.times)),
+                f"{measured.trace_seconds:.2f}",
+                str(measured.warmup_steps),
+                "-" if measured.skipped is None else str(measured.skipped),
             ]
         )
     return rows

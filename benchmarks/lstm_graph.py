@@ -7,9 +7,10 @@ Under mixed_bfloat16 the loop body reads the kernel, recurrent kernel and
 bias and casts them to bfloat16 again at every one of the 64 time steps.
 
 It then traces a training step (forward and gradient) three ways: Keras's own
-loop, with `kmp.recurrent.install()` (the weights cast once per call, before
-the loop; results bit-identical), and with `install(exact=False)` (the loop's
-gradient for the weights summed in bfloat16, as tf.keras did). The
+loop, with kmp's `recurrent` patch (`kmp.patches.install("recurrent")`: the
+weights cast once per call, before the loop; results bit-identical), and with
+it and `kmp.patches.recurrent.set_exact(False)` (the loop's gradient for the
+weights summed in bfloat16, as tf.keras did). The
 TensorListPushBack ops are the tensors the forward loop keeps for the backward
 pass, one per step each.
 
@@ -26,7 +27,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import kmp  # noqa: E402
-from kmp import recurrent  # noqa: E402
+from kmp.patches import recurrent  # noqa: E402
 
 COUNTED = ("Cast", "ReadVariableOp", "MatMul", "TensorListPushBack")
 
@@ -45,7 +46,7 @@ def main():
     parser.add_argument("--policy", default="mixed_bfloat16")
     args = parser.parse_args()
     kmp.set_global_policy(args.policy)
-    recurrent.uninstall()
+    kmp.patches.uninstall("recurrent")
     layer = keras.layers.LSTM(256)
     inputs = tf.random.normal((64, 64, 32))
     layer.build(inputs.shape)
@@ -60,17 +61,18 @@ def main():
 
     for title, exact in (
         ("Keras's loop", None),
-        ("kmp.recurrent.install()", True),
-        ("kmp.recurrent.install(exact=False)", False),
+        ("kmp's recurrent patch", True),
+        ("kmp's recurrent patch, set_exact(False)", False),
     ):
         if exact is None:
-            recurrent.uninstall()
+            kmp.patches.uninstall("recurrent")
         else:
-            recurrent.install(exact=exact)
+            kmp.patches.install("recurrent")
+            recurrent.set_exact(exact)
         graph = tf.function(train_step).get_concrete_function(inputs).graph
         print(f"\nTraining step (forward and gradient), {title}:")
         _print_op_counts(graph)
-    recurrent.uninstall()
+    recurrent.set_exact(True)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,13 @@ and the ratio of the two medians.
 Variations (combine them with "+", e.g. `recast-kernels+fused-adam`):
 
 * `keras`: the benchmark as it is (Keras 3 layers, Keras 3 Adam), with kmp
-  imported, so with kmp's bfloat16 mean (`kmp/mean.py`), recurrent-layer
-  casts (`kmp/recurrent.py`) and float32 Dense layers that keep a
-  low-precision input (`kmp/dense.py`) in effect.
-* `keras-as-is`: the same with those three uninstalled: Keras 3 alone.
+  imported, so with the patches `import kmp` installs in effect (see `kmp
+  patches`): recurrent-layer casts (`kmp/patches/recurrent.py`) and float32
+  Dense layers that keep a low-precision input (`kmp/patches/dense.py`).
+* `kmp-mean`: kmp's bfloat16 mean patch (`kmp/patches/mean.py`, off by
+  default) installed as well.
+* `keras-as-is`: the same with kmp's patches to Keras's mean, recurrent
+  layers and Dense uninstalled: Keras 3 alone.
 * `no-update`: forward and backward only; no optimizer step.
 * `sgd`: plain SGD instead of Adam.
 * `fused-adam`: `kmp.FusedAdam`: Adam's slots updated in place by
@@ -33,7 +36,7 @@ Variations (combine them with "+", e.g. `recast-kernels+fused-adam`):
 * `recast-kernels`: the MLP's bfloat16 hidden layers cast their float32
   kernel again in the backward pass instead of keeping its bfloat16 copy
   (same numbers, one more cast per step).
-* `blocked-input-gradient`: `kmp.dense` makes the float32 logits layer's
+* `blocked-input-gradient`: the `dense` patch makes the float32 logits layer's
   input gradient in four row blocks, each cast to bfloat16 at once, instead
   of one float32 product (may round differently in the last bit).
 * `mean-no-upcast`: the CNN's global average pooling in the compute dtype
@@ -82,6 +85,7 @@ QUICK_SIZES = {
 }
 MODIFIERS = {
     "keras": "the benchmark as it is, through kmp",
+    "kmp-mean": "and kmp's bfloat16 mean patch (off by default)",
     "keras-as-is": "Keras 3 alone (kmp's mean, RNN casts and Dense off)",
     "no-update": "forward and backward, no optimizer step",
     "sgd": "plain SGD instead of Adam",
@@ -111,6 +115,7 @@ DEFAULT_VARIANTS = {
     ),
     "cnn": (
         "keras",
+        "kmp-mean",
         "keras-as-is",
         "tf_keras",
         "no-update",
@@ -151,12 +156,14 @@ def _child(
         import kmp
 
         kmp.set_global_policy(policy)
+        if "kmp-mean" in flags:
+            kmp.patches.install("mean")
         if "keras-as-is" in flags:
-            kmp.mean.uninstall()
-            kmp.recurrent.uninstall()
-            kmp.dense.uninstall()
+            kmp.patches.uninstall("mean", "recurrent", "dense")
         if "blocked-input-gradient" in flags:
-            kmp.dense._input_gradient = _blocked_input_gradient(tf)
+            from kmp.patches import dense
+
+            dense.input_gradient = _blocked_input_gradient(tf)
     k.utils.set_random_seed(0)
     sizes = (QUICK_SIZES if quick else SIZES)[model_name]
     model = _build_model(k, tf, model_name, sizes, flags)
@@ -368,7 +375,7 @@ def _recast_dense_class(k, tf):
 
 
 def _blocked_input_gradient(tf, blocks=4):
-    """`kmp.dense`'s input gradient, made in row blocks cast one at a time."""
+    """kmp's `dense` patch's input gradient, in row blocks cast one by one."""
     from tensorflow.python.ops import gen_math_ops
 
     def input_gradient(upstream, kernel, dtype):

@@ -26,17 +26,19 @@ step costs the process, which a busy machine disturbs less.
 import argparse
 import functools
 import os
-import time
+import statistics
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from keras.src.optimizers import base_optimizer  # noqa: E402
 
 import kmp  # noqa: E402
-from kmp import optimizer as kmp_optimizer  # noqa: E402
+from kmp.core import scaling  # noqa: E402
+from kmp.core import tf_apply  # noqa: E402
+from kmp.core import tf_steps  # noqa: E402
+from kmp.tools import timing  # noqa: E402
 
 VARIANTS = {
     "unscale": "divide the gradients by the scale, then apply",
@@ -54,37 +56,62 @@ VARIANTS = {
 _TF_WRITERS = ("assign", "assign_add", "assign_sub", "_backend_update_step")
 
 
-class _Variant(kmp.LossScaleOptimizer):
+class _Replaced(kmp.LossScaleOptimizer):
+    """kmp's optimizer whose TensorFlow step is `self.step_on_tensorflow`.
+
+    `LossScaleOptimizer.apply` checks the gradients and decides the recipe,
+    then calls `kmp.core.tf_steps.apply`; the variants replace that call
+    while their step is traced.
+    """
+
+    def step_on_tensorflow(self, grads, variables, scaled):
+        raise NotImplementedError
+
+    def apply(self, grads, trainable_variables=None):
+        original = tf_steps.apply
+        tf_steps.apply = lambda optimizer, *args: optimizer.step_on_tensorflow(
+            *args
+        )
+        try:
+            super().apply(grads, trainable_variables)
+        finally:
+            tf_steps.apply = original
+
+
+class _Variant(_Replaced):
     """kmp's optimizer with parts of its step left out."""
 
     parts = ()
 
-    def _apply_step(self, grads, variables, scaled):
-        grads = kmp_optimizer._unscale_gradients(grads, self.loss_scale)
+    def step_on_tensorflow(self, grads, variables, scaled):
+        grads = scaling.unscale_gradients(grads, self.dynamic_scale)
 
         def update():
             self.inner_optimizer.apply(grads, variables)
 
         finite = None
         if "check" in self.parts:
-            finite = kmp_optimizer._all_finite(grads)
+            finite = scaling.all_finite(grads)
         if "cond" in self.parts:
-            predicate = self._scale > 0 if finite is None else finite
+            predicate = self.dynamic_scale > 0 if finite is None else finite
             tf.cond(predicate, update, lambda: None)
         elif "call" in self.parts:
-            kmp_optimizer._cond_as_one_call(finite, update)
+            tf_apply.cond_as_one_call(finite, update)
         else:
             update()
         if finite is not None:
-            self._skipped.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
+            skipped = tf.logical_not(finite)
+            self.skipped_steps_variable.assign_add(
+                tf.cast(skipped, self.skipped_steps_variable.dtype)
+            )
 
 
-class _ComputeFirst(kmp.LossScaleOptimizer):
+class _ComputeFirst(_Replaced):
     """The previous release: compute in a StatelessScope, commit if finite."""
 
-    def _apply_step(self, grads, variables, scaled):
-        grads = kmp_optimizer._unscale_gradients(grads, self.loss_scale)
-        finite = kmp_optimizer._all_finite(grads)
+    def step_on_tensorflow(self, grads, variables, scaled):
+        grads = scaling.unscale_gradients(grads, self.dynamic_scale)
+        finite = scaling.all_finite(grads)
         inner = self.inner_optimizer
         for name in _TF_WRITERS:
             method = getattr(base_optimizer.BaseOptimizer, name)
@@ -105,17 +132,17 @@ class _ComputeFirst(kmp.LossScaleOptimizer):
                 if value is not None:
                     variable.assign(value)
 
-        kmp_optimizer._cond_as_one_call(finite, commit)
-        self._after_step(finite, None)
+        tf_apply.cond_as_one_call(finite, commit)
+        self.update_state(finite, finite, None, variables)
 
 
-class _ReportInGraph(kmp.LossScaleOptimizer):
+class _ReportInGraph(_Replaced):
     """kmp, plus the persistent-skips report as the previous release had it:
     a lowered cond around a py_function in the step's own graph."""
 
-    def _after_step(self, finite, finite_per_gradient, restore=None):
-        super()._after_step(finite, finite_per_gradient, restore)
-        reached = tf.equal(self._skipped_in_a_row, 1000)
+    def step_on_tensorflow(self, grads, variables, scaled):
+        _ORIGINAL_STEP(self, grads, variables, scaled)
+        reached = tf.equal(self.consecutive_skips_variable, 1000)
 
         def report():
             tf.py_function(lambda: None, [], [])
@@ -123,25 +150,28 @@ class _ReportInGraph(kmp.LossScaleOptimizer):
         tf.cond(reached, report, lambda: None)
 
 
-class _Forced(kmp.LossScaleOptimizer):
+class _Forced(_Replaced):
     """kmp with its choice between applying first and waiting forced."""
 
     limit = 0
 
-    def _apply_step(self, grads, variables, scaled):
-        names = ("_RESTORE_MAX_ELEMENTS", "_RESTORE_MAX_MEAN_ELEMENTS")
-        saved = [getattr(kmp_optimizer, name) for name in names]
+    def step_on_tensorflow(self, grads, variables, scaled):
+        names = ("RESTORE_MAX_ELEMENTS", "RESTORE_MAX_MEAN_ELEMENTS")
+        saved = [getattr(tf_apply, name) for name in names]
         for name in names:
-            setattr(kmp_optimizer, name, self.limit)
+            setattr(tf_apply, name, self.limit)
         try:
-            super()._apply_step(grads, variables, scaled)
+            _ORIGINAL_STEP(self, grads, variables, scaled)
         finally:
             for name, value in zip(names, saved):
-                setattr(kmp_optimizer, name, value)
+                setattr(tf_apply, name, value)
 
 
 class _ApplyFirst(_Forced):
     limit = 2**62
+
+
+_ORIGINAL_STEP = tf_steps.apply
 
 
 def _optimizer(kind):
@@ -222,29 +252,20 @@ def main():
     if "plain" not in kinds:
         kinds.insert(0, "plain")  # the base of every ratio
     kmp.set_global_policy(args.policy)
-    steps = {
-        kind: _step_function(kind, args.layers, args.units, 64)
+    subjects = [
+        _Subject(kind, _step_function(kind, args.layers, args.units, 64))
         for kind in kinds
-    }
-    for step in steps.values():
-        for _ in range(args.warmup):
-            step().numpy()
-    times = {kind: [] for kind in kinds}
-    cpu_times = {kind: [] for kind in kinds}
-    for round_index in range(args.rounds):
-        order = (
-            kinds[round_index % len(kinds) :]
-            + kinds[: round_index % len(kinds)]
-        )
-        for kind in order:
-            for _ in range(args.steps):
-                started = time.perf_counter()
-                cpu_started = time.process_time()
-                steps[kind]().numpy()
-                times[kind].append(time.perf_counter() - started)
-                cpu_times[kind].append(time.process_time() - cpu_started)
-    base = np.median(times["plain"])
-    cpu_base = np.median(cpu_times["plain"])
+    ]
+    timings = timing.measure(
+        subjects,
+        rounds=args.rounds,
+        steps=args.steps,
+        warmup_min=args.warmup,
+        warmup_max=args.warmup,
+        switch_steps=0,
+    )
+    base = timings["plain"].median
+    cpu_base = statistics.median(timings["plain"].cpu_times)
     print(
         f"policy {args.policy}, {2 * args.layers + 2} variables of "
         f"{args.units}x{args.units} and {args.units}, "
@@ -253,13 +274,19 @@ def main():
         "time per step, each as a ratio to Adam alone"
     )
     for kind in kinds:
-        median = np.median(times[kind])
-        cpu = np.median(cpu_times[kind])
+        median = timings[kind].median
+        cpu = statistics.median(timings[kind].cpu_times)
         what = VARIANTS.get(kind, {"plain": "Adam alone"}.get(kind, "as is"))
         print(
             f"{kind:15s} {median * 1e3:7.3f} ms {median / base:5.3f}x  "
             f"cpu {cpu * 1e3:7.3f} ms {cpu / cpu_base:5.3f}x  {what}"
         )
+
+
+class _Subject:
+    def __init__(self, label, step):
+        self.label = label
+        self.step = step
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ Switching a model to mixed precision is one line, but whether it then trains
 as well, and faster, depends on the machine and on the model's numbers. kmp
 has a tool for each question:
 
-* `kmp doctor`: which policy suits this machine, and why;
+* `kmp doctor`: which policy suits this machine (and its Keras backend), and
+  why;
 * `kmp.summary(model)` / `kmp inspect MODEL.keras`: the dtypes of every layer
   and the mistakes visible without running anything;
 * `kmp.audit(model, x, y)` / `kmp audit MODEL.keras --data DATA.npz`: the
@@ -15,7 +16,8 @@ has a tool for each question:
 * `kmp.convert(model, policy)`: the same model and weights under another
   policy, with the layers that need it kept in float32;
 * `kmp.callbacks.LossScaleMonitor`: the loss scale and the skipped steps in
-  `fit`'s history.
+  `fit`'s history;
+* `kmp patches`: the changes kmp makes to Keras, and which are on.
 
 This guide runs from top to bottom:
 
@@ -38,11 +40,12 @@ import numpy as np  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import kmp  # noqa: E402
-from kmp import doctor  # noqa: E402
-from kmp.auditing import audit  # noqa: E402
+from kmp import audit  # noqa: E402
+from kmp import convert  # noqa: E402
+from kmp import summary  # noqa: E402
 from kmp.callbacks import LossScaleMonitor  # noqa: E402
-from kmp.conversion import convert  # noqa: E402
-from kmp.inspection import summary  # noqa: E402
+from kmp.core import hardware  # noqa: E402
+from kmp.tools import doctor  # noqa: E402
 
 keras.utils.set_random_seed(2)
 output_dir = tempfile.mkdtemp(prefix="kmp_tools_guide_")
@@ -56,14 +59,15 @@ output_dir = tempfile.mkdtemp(prefix="kmp_tools_guide_")
 
 print(doctor.format_report(doctor.collect_environment()))
 
-# The rule itself is a pure function, so you can ask about another machine:
+# The rule itself is a pure function (`kmp.core.hardware`), so you can ask
+# about another machine:
 
 for gpus, flags in [
-    ([doctor.Gpu("Tesla T4", (7, 5))], set()),
-    ([doctor.Gpu("Tesla P100", (6, 0))], set()),
+    ([hardware.Gpu("Tesla T4", (7, 5))], set()),
+    ([hardware.Gpu("Tesla P100", (6, 0))], set()),
     ([], {"avx512_bf16"}),
 ]:
-    policy, _ = doctor.recommend_policy(gpus, tpus=0, cpu_flags=flags)
+    policy, _ = hardware.recommend_policy(gpus, tpus=0, cpu_flags=flags)
     print(f"{[g.name for g in gpus] or sorted(flags)} -> {policy}")
 
 # ## A model trained in float32

@@ -1,7 +1,7 @@
-"""`python -m kmp ...` is the `kmp` command."""
+"""`python -m kmp ...` is the `kmp` command (`kmp_cli`)."""
 
 import sys
 
-from kmp.cli import main
+from kmp_cli import main
 
 sys.exit(main())

@@ -1,44 +1,117 @@
-"""Keras callbacks for mixed-precision training.
+"""Keras callbacks for mixed-precision training: `LossScaleMonitor`.
 
-`LossScaleMonitor` records the loss scale and the skipped steps of a
-`kmp.LossScaleOptimizer` in `fit`'s logs every epoch, and warns when steps
-are skipped often. It reads the optimizer's variables once per epoch, never
-per step, so it does not slow training down.
+`LossScaleMonitor` watches the `kmp.LossScaleOptimizer` of a `fit` run:
+
+* every epoch it writes the loss scale, the steps skipped in the epoch and
+  the skips in a row into `fit`'s logs (so into `History`, and into a
+  `CSVLogger` or `keras.callbacks.TensorBoard` listed after it);
+* with `log_dir`, it writes them as TensorBoard scalars into `log_dir/train`,
+  the run `keras.callbacks.TensorBoard(log_dir)` writes its own into, per
+  epoch and (with `update_freq`) per batch;
+* with `csv_path`, it appends a row per epoch to a CSV file;
+* it warns when many steps are skipped;
+* in a `fit` compiled by XLA (`jit_compile=True`, JAX's `jit`), where no
+  Python runs inside a step, it runs the optimizer's persistent-skips
+  check (`check_persistent_skips`) after every batch.
+
+It reads the optimizer's variables once per epoch; per batch, only what the
+options ask for (one read for the persistent-skips check on TensorFlow,
+three for per-batch scalars).
+
+What to look for in TensorBoard (`guides/watching_the_scale.py` shows each):
+
+* a sawtooth: the scale doubles every `dynamic_growth_steps` and halves on
+  an occasional overflow (a skipped step). Healthy.
+* stuck at the floor (`min_scale`, 1) with skips at every step: a layer
+  overflows in float16 whatever the scale - find it with `kmp.audit` and
+  keep it in float32. A `min_scale` below 1 helps only when the gradients
+  overflow float16 even unscaled.
+* growing without bound (up to the largest float32) and no skips: no
+  gradient ever overflows. Fine; a smaller `max_scale` caps it, and a
+  `dynamic_growth_steps` that is too small makes it climb too fast.
 """
 
 import collections
+import csv
 import logging
 import numbers
+import os
 from typing import Optional
+from typing import Union
 
 import keras
 
+from kmp.core import backend
 from kmp.core.optimizer import LossScaleOptimizer
 
 logger = logging.getLogger("kmp")
 
-# The largest `window`, in epochs: far beyond any run, and a valid deque size.
+# The largest `window` and `update_freq`: far beyond any run, and a valid
+# deque size.
 _MAX_WINDOW = 2**31 - 1
+
+# The values written, under these names, to the logs, TensorBoard (with an
+# "epoch_" or "batch_" prefix, as Keras's TensorBoard callback names its
+# own) and the CSV file.
+KEYS = ("loss_scale", "skipped_steps", "consecutive_skips")
+CSV_COLUMNS = ("epoch",) + KEYS + ("loss",)
+
+_TENSORBOARD_MISSING = (
+    "LossScaleMonitor(log_dir=...) writes TensorBoard event files with the "
+    "'tensorboard' package, which is not installed. Install it with "
+    "`pip install tensorboard` (or `pip install kmp[tensorboard]`), or leave "
+    "log_dir unset."
+)
 
 
 class LossScaleMonitor(keras.callbacks.Callback):
-    """Logs the loss scale and skipped steps each epoch; warns on skipping.
+    """Records the loss scale and skipped steps of `fit`; warns on skipping.
 
-    At the end of every epoch it adds two entries to the logs:
+    At the end of every epoch it adds three entries to the logs:
 
     * `"loss_scale"`: the optimizer's current loss scale (a float);
     * `"skipped_steps"`: how many steps of this epoch were skipped because a
-      gradient was inf or NaN (an int).
+      gradient was inf or NaN (an int);
+    * `"consecutive_skips"`: how many of the latest steps were skipped in a
+      row (an int; 0 after a step that was applied).
 
     So `model.fit(...).history` holds them per epoch, and so does a
     `keras.callbacks.TensorBoard` or `CSVLogger` listed *after* this callback.
+    The `"loss"` that `fit` logs is the unscaled loss, as without loss
+    scaling.
+
+    With `log_dir`, the same values go to TensorBoard as `epoch_loss_scale`,
+    `epoch_skipped_steps` and `epoch_consecutive_skips` at step `epoch`, in
+    `log_dir/train`: where `keras.callbacks.TensorBoard(log_dir)` writes
+    `epoch_loss`, so they show in the same run. With `update_freq="batch"`
+    (or an int N: every N batches) they are also written per batch, as
+    `batch_loss_scale`, `batch_skipped_steps` (skipped since the previous
+    point) and `batch_consecutive_skips`, at the step Keras's callback uses
+    for `batch_loss` (batches since the start of `fit`, from 1). (A Keras
+    `TensorBoard` callback listed after this one writes the epoch values too,
+    from the logs, with the same names, steps and values.) TensorFlow writes
+    them with `tf.summary`; JAX and torch with the `tensorboard` package's own
+    writer, without TensorFlow.
+
+    With `csv_path`, a row per epoch is appended to that CSV file, with the
+    columns `epoch, loss_scale, skipped_steps, consecutive_skips, loss` (a
+    header first if the file is new or empty).
 
     A step is skipped now and then by design: the dynamic loss scale grows
-    until a step overflows, then halves. When more than `warn_skip_fraction`
-    of the steps of the last `window` epochs were skipped, it logs a warning
-    to the `"kmp"` logger, at most once every `window` epochs. Frequent skips
-    waste those steps, and with a scale already at 1 they mean the model
-    itself produces inf/NaN (`kmp.audit` finds the layers that overflow).
+    until a step overflows, then backs off. When more than
+    `warn_skip_fraction` of the steps of the last `window` epochs were
+    skipped, it logs a warning to the `"kmp"` logger, at most once every
+    `window` epochs. Frequent skips waste those steps, and with a scale
+    already at its floor they mean the model itself produces inf/NaN
+    (`kmp.audit` finds the layers that overflow).
+
+    When the model's steps are compiled by XLA (`jit_compile=True`, the
+    default on JAX), the optimizer cannot warn or raise about persistent
+    skips (`max_consecutive_skips`, `on_persistent_skips`) inside a step;
+    this callback runs its `check_persistent_skips()` after every batch, so
+    `"raise"` stops `fit` with a `FloatingPointError` at the batch that
+    reaches the limit. That costs one variable read per batch on TensorFlow
+    (and waiting for the step's host callbacks on JAX).
 
     The model must be compiled with a `kmp.LossScaleOptimizer` (which
     `model.compile` provides by itself under `"mixed_float16"`); otherwise
@@ -50,12 +123,21 @@ class LossScaleMonitor(keras.callbacks.Callback):
         window: How many epochs the fraction is measured over, and the least
             number of epochs between two warnings; a positive integer, at
             most 2**31 - 1.
+        log_dir: A directory for TensorBoard event files (written under
+            `log_dir/train`), or None (the default) for none.
+        update_freq: `"epoch"` (the default): TensorBoard scalars per epoch
+            only; `"batch"`: also after every batch; an int N: also after
+            every N-th batch. Anything but `"epoch"` needs `log_dir`.
+        csv_path: A CSV file to append a row to every epoch, or None.
 
     Raises:
         TypeError: on a wrong argument type, or at the start of `fit` when the
             optimizer is not a `kmp.LossScaleOptimizer`.
-        ValueError: `warn_skip_fraction` is outside [0, 1] or `window` is
-            outside [1, 2**31 - 1].
+        ValueError: `warn_skip_fraction` is outside [0, 1], `window` is
+            outside [1, 2**31 - 1], `update_freq` is not `"epoch"`,
+            `"batch"` or a positive integer, or is set without `log_dir`.
+        ImportError: `log_dir` is set and the `tensorboard` package is not
+            installed.
 
     Example:
 
@@ -68,9 +150,19 @@ class LossScaleMonitor(keras.callbacks.Callback):
     ... )
     >>> history.history["loss_scale"], history.history["skipped_steps"]
     ([32768.0, 32768.0], [0, 0])
+    >>> history.history["consecutive_skips"]
+    [0, 0]
     """
 
-    def __init__(self, warn_skip_fraction: float = 0.1, window: int = 1):
+    def __init__(
+        self,
+        warn_skip_fraction: float = 0.1,
+        window: int = 1,
+        *,
+        log_dir: Optional[Union[str, os.PathLike]] = None,
+        update_freq: Union[str, int] = "epoch",
+        csv_path: Optional[Union[str, os.PathLike]] = None,
+    ):
         super().__init__()
         if isinstance(warn_skip_fraction, bool) or not isinstance(
             warn_skip_fraction, numbers.Real
@@ -97,10 +189,19 @@ class LossScaleMonitor(keras.callbacks.Callback):
             )
         self.warn_skip_fraction = float(warn_skip_fraction)
         self.window = int(window)
+        self.log_dir = _checked_path(log_dir, "log_dir")
+        self.update_freq = _checked_update_freq(update_freq, self.log_dir)
+        self.csv_path = _checked_path(csv_path, "csv_path")
+        if self.log_dir is not None:
+            _check_tensorboard()
         self._optimizer: Optional[LossScaleOptimizer] = None
+        self._writer = None
+
+    # --- fit's hooks --------------------------------------------------------
 
     def on_train_begin(self, logs=None):
-        optimizer = getattr(self.model, "optimizer", None)
+        model = self.model
+        optimizer = getattr(model, "optimizer", None)
         if not isinstance(optimizer, LossScaleOptimizer):
             raise TypeError(
                 "LossScaleMonitor needs a model compiled with a "
@@ -114,13 +215,35 @@ class LossScaleMonitor(keras.callbacks.Callback):
         # (skipped, steps) of the last `window` epochs.
         self._recent = collections.deque(maxlen=self.window)
         self._last_warning_epoch = None
+        # As keras.callbacks.TensorBoard: batches since fit began, from 1.
+        self._batch_step = 0
+        self._batch_skipped = self._skipped
+        # None: no batch scalars; else every that many batches.
+        self._batch_every = {"epoch": None, "batch": 1}.get(
+            self.update_freq, self.update_freq
+        )
+        # Outside XLA the optimizer checks persistent skips in the step.
+        limit = optimizer.max_consecutive_skips
+        compiled = bool(getattr(model, "jit_compile", False)) and not bool(
+            getattr(model, "run_eagerly", False)
+        )
+        self._skip_limit = limit if compiled and limit is not None else None
+        if self.log_dir is not None:
+            self._writer = _ScalarWriter(os.path.join(self.log_dir, "train"))
 
-    def _counts(self):
-        """(skipped steps, applied steps) so far; one read per variable."""
-        optimizer = self._optimizer
-        skipped = int(optimizer.skipped_steps)
-        applied = int(optimizer.inner_optimizer.iterations)
-        return skipped, applied
+    def on_train_batch_end(self, batch, logs=None):
+        if self._optimizer is None:
+            return
+        self._batch_step += 1
+        try:
+            if self._batch_every and self._batch_step % self._batch_every == 0:
+                self._write_batch_scalars()
+            if self._skip_limit is not None:
+                self._check_persistent_skips()
+        except BaseException:
+            # fit stops here without on_train_end: keep what was written.
+            self._close_writer()
+            raise
 
     def on_epoch_end(self, epoch, logs=None):
         if self._optimizer is None:
@@ -129,12 +252,76 @@ class LossScaleMonitor(keras.callbacks.Callback):
         epoch_skipped = skipped - self._skipped
         epoch_steps = epoch_skipped + applied - self._applied
         self._skipped, self._applied = skipped, applied
-        loss_scale = float(self._optimizer.loss_scale)
+        values = {
+            "loss_scale": float(self._optimizer.loss_scale),
+            "skipped_steps": epoch_skipped,
+            "consecutive_skips": int(self._optimizer.consecutive_skips),
+        }
         if logs is not None:
-            logs["loss_scale"] = loss_scale
-            logs["skipped_steps"] = epoch_skipped
+            logs.update(values)
+        if self._writer is not None:
+            self._writer.write("epoch_", values, epoch)
+            self._writer.flush()
+        if self.csv_path is not None:
+            loss = (logs or {}).get("loss")
+            self._append_csv_row(
+                [epoch, *values.values(), "" if loss is None else float(loss)]
+            )
         self._recent.append((epoch_skipped, epoch_steps))
-        self._maybe_warn(epoch, loss_scale)
+        self._maybe_warn(epoch, values["loss_scale"])
+
+    def on_train_end(self, logs=None):
+        self._close_writer()
+
+    # --- Reading the optimizer ----------------------------------------------
+
+    def _counts(self):
+        """(skipped steps, applied steps) so far; one read per variable."""
+        optimizer = self._optimizer
+        skipped = int(optimizer.skipped_steps)
+        applied = int(optimizer.inner_optimizer.iterations)
+        return skipped, applied
+
+    def _write_batch_scalars(self):
+        if backend.is_jax():
+            # Mid-epoch, Keras's JAX trainer keeps the state outside the
+            # variables until a callback asks for it.
+            self.model.jax_state_sync()
+        optimizer = self._optimizer
+        skipped = int(optimizer.skipped_steps)
+        values = {
+            "loss_scale": float(optimizer.loss_scale),
+            "skipped_steps": skipped - self._batch_skipped,
+            "consecutive_skips": int(optimizer.consecutive_skips),
+        }
+        self._batch_skipped = skipped
+        self._writer.write("batch_", values, self._batch_step)
+
+    def _check_persistent_skips(self):
+        """`check_persistent_skips()`, for steps compiled by XLA."""
+        optimizer = self._optimizer
+        # On JAX it waits for the step's host callback and raises what that
+        # recorded; on TensorFlow one read per batch decides.
+        if backend.is_jax():
+            optimizer.check_persistent_skips()
+        elif int(optimizer.consecutive_skips) >= self._skip_limit:
+            optimizer.check_persistent_skips()
+
+    # --- Writing ------------------------------------------------------------
+
+    def _append_csv_row(self, row):
+        path = self.csv_path
+        new = not os.path.exists(path) or os.path.getsize(path) == 0
+        with open(path, "a", newline="") as file:
+            writer = csv.writer(file)
+            if new:
+                writer.writerow(CSV_COLUMNS)
+            writer.writerow(row)
+
+    def _close_writer(self):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
     def _maybe_warn(self, epoch, loss_scale):
         skipped = sum(entry[0] for entry in self._recent)
@@ -151,20 +338,125 @@ class LossScaleMonitor(keras.callbacks.Callback):
         epochs = (
             f"epoch {epoch}" if first == epoch else (f"epochs {first}-{epoch}")
         )
-        advice = (
-            "The loss scale is at its floor of 1, so the model itself "
-            "produces inf/NaN: look for overflowing layers with kmp.audit() "
-            "and keep them in float32, or lower the learning rate."
-            if loss_scale <= 1
-            else "The dynamic scale halves on each skip and should settle; "
-            "if it does not, a layer may overflow (kmp.audit() finds it)."
-        )
+        rule = self._optimizer.rule
+        floor = 1.0 if rule is None else rule.min_scale
+        if loss_scale <= floor:
+            advice = (
+                f"The loss scale is at its floor of {floor:g}, so the model "
+                "itself produces inf/NaN: look for overflowing layers with "
+                "kmp.audit() and keep them in float32, or lower the "
+                "learning rate."
+            )
+        elif rule is None:
+            advice = (
+                "The scale is fixed (dynamic=False): lower initial_scale, or "
+                "use a dynamic scale; kmp.audit() finds overflowing layers."
+            )
+        else:
+            advice = (
+                "The dynamic scale backs off on each skip and should "
+                "settle; if it does not, a layer may overflow (kmp.audit() "
+                "finds it)."
+            )
         logger.warning(
             f"LossScaleMonitor: {skipped} of {steps} steps "
             f"({skipped / steps:.0%}) in {epochs} were skipped for inf/NaN "
             f"gradients (more than {self.warn_skip_fraction:.0%}); the loss "
             f"scale is now {loss_scale:g}. {advice}"
         )
+
+
+class _ScalarWriter:
+    """Scalars into one TensorBoard run directory: `tf.summary` on
+    TensorFlow, the `tensorboard` package's own writer elsewhere."""
+
+    def __init__(self, directory: str):
+        if backend.is_tensorflow():
+            self._tf = backend.tensorflow()
+            self._writer = self._tf.summary.create_file_writer(directory)
+        else:
+            from tensorboard.summary import Writer
+
+            self._tf = None
+            self._writer = Writer(directory)
+
+    def write(self, prefix: str, values: dict, step: int) -> None:
+        if self._tf is None:
+            for name, value in values.items():
+                self._writer.add_scalar(prefix + name, value, step)
+            return
+        summary = self._tf.summary
+        # record_if(True): a keras.callbacks.TensorBoard with update_freq
+        # sets a process-wide condition that would drop these.
+        with self._writer.as_default(), summary.record_if(True):
+            for name, value in values.items():
+                summary.scalar(prefix + name, value, step=step)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def _checked_path(value, argument: str) -> Optional[str]:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(
+            f"'{argument}' must be a path (a str or os.PathLike) or None. "
+            f"Received: {argument}={value!r} of type {type(value).__name__}"
+        )
+    path = os.fspath(value)
+    if not path:
+        raise ValueError(
+            f"'{argument}' must be a path or None, not empty. Received: "
+            f"{argument}={value!r}"
+        )
+    return path
+
+
+def _checked_update_freq(update_freq, log_dir) -> Union[str, int]:
+    allowed = "'epoch', 'batch' or a positive integer (batches)"
+    if isinstance(update_freq, str):
+        if update_freq not in ("epoch", "batch"):
+            raise ValueError(
+                f"'update_freq' must be {allowed}. Received: "
+                f"update_freq={update_freq!r}"
+            )
+    elif isinstance(update_freq, bool) or not isinstance(
+        update_freq, numbers.Integral
+    ):
+        raise TypeError(
+            f"'update_freq' must be {allowed}. Received: "
+            f"update_freq={update_freq!r} of type {type(update_freq).__name__}"
+        )
+    elif not 1 <= update_freq <= _MAX_WINDOW:
+        raise ValueError(
+            f"'update_freq' must be {allowed}, at most {_MAX_WINDOW}. "
+            f"Received: update_freq={update_freq!r}"
+        )
+    else:
+        update_freq = int(update_freq)
+    if update_freq != "epoch" and log_dir is None:
+        raise ValueError(
+            "'update_freq' sets how often the TensorBoard scalars are "
+            "written, which needs 'log_dir'. Received: "
+            f"update_freq={update_freq!r} with log_dir=None"
+        )
+    return update_freq
+
+
+def _check_tensorboard() -> None:
+    """Raises ImportError unless the writer `_ScalarWriter` uses imports."""
+    try:
+        if backend.is_tensorflow():
+            # tf.summary's scalar() comes from the tensorboard package.
+            import tensorboard  # noqa: F401
+        else:
+            from tensorboard.summary import Writer  # noqa: F401
+    except ImportError as error:
+        raise ImportError(_TENSORBOARD_MISSING) from error
 
 
 __all__ = ["LossScaleMonitor"]

@@ -1,4 +1,4 @@
-"""`summary` and `kmp inspect`: which dtype every layer computes and stores in.
+"""`summary`: which dtype every layer computes and stores in, and what to fix.
 
 A table with one row per layer (nested models are listed layer by layer,
 their names prefixed with the model's), then findings: the mixed-precision
@@ -12,12 +12,14 @@ model.
   NVIDIA Tensor Cores from being used;
 * variables stored in float16 or bfloat16, where small updates are lost;
 * a compiled model that computes in float16 without a loss-scale optimizer.
+
+`keras.ops` calls in a Functional model (`x * 2`, `x[:, 0]`) get a row too,
+with `-` for a policy: they have none and compute in the dtype their inputs
+arrive in, shown as their compute dtype. `kmp inspect MODEL.keras` prints
+the same for a saved model.
 """
 
-import argparse
 import math
-import os
-import warnings
 from typing import Callable
 from typing import List
 from typing import Optional
@@ -25,33 +27,21 @@ from typing import Optional
 import keras
 
 from kmp.core.policy import global_policy
-from kmp.tools.convert import LOW_PRECISION_DTYPES
-from kmp.tools.convert import _check_built
-from kmp.tools.convert import _check_graph_model
-from kmp.tools.convert import _is_floating
-from kmp.tools.convert import _is_graph_model
-from kmp.tools.convert import _is_softmax_layer
+from kmp.tools import models
+from kmp.tools.tables import text_table
 
 # Tensor Cores multiply float16 matrices whose dimensions are multiples of 8.
 TENSOR_CORE_MULTIPLE = 8
-_COLUMNS = ("Layer", "Class", "Policy", "Compute", "Variables", "Output")
-
-
-def _named_leaf_layers(model, prefix=""):
-    """(display name, layer) for every layer, nested models flattened."""
-    for layer in model.layers:
-        if _is_graph_model(layer):
-            yield from _named_leaf_layers(layer, f"{prefix}{layer.name}/")
-        else:
-            yield f"{prefix}{layer.name}", layer
-
-
-def _output_dtypes(layer) -> List[str]:
-    """The dtypes of the layer's outputs at its first call; [] if not called."""
-    nodes = getattr(layer, "_inbound_nodes", None)
-    if not nodes:
-        return []
-    return [keras.backend.standardize_dtype(x.dtype) for x in nodes[0].outputs]
+_COLUMNS = (
+    "Layer",
+    "Class",
+    "Policy",
+    "Compute",
+    "Variables",
+    "Output",
+    "Params",
+)
+_NO_POLICY = "-"
 
 
 def _variable_dtypes(layer) -> List[str]:
@@ -70,69 +60,73 @@ def _activation_name(layer) -> Optional[str]:
 
 
 def _computes_softmax(layer) -> bool:
-    if _is_softmax_layer(layer):
+    if models.is_softmax_layer(layer):
         return True
     return _activation_name(layer) in ("softmax", "log_softmax")
 
 
-def _layer_rows(model) -> List[tuple]:
-    rows = []
-    for name, layer in _named_leaf_layers(model):
-        policy = layer.dtype_policy
-        variables = _variable_dtypes(layer)
-        outputs = _output_dtypes(layer)
-        rows.append(
-            (
-                name,
-                type(layer).__name__,
-                policy.name,
-                policy.compute_dtype,
-                ",".join(variables) if variables else "-",
-                ",".join(outputs) if outputs else "?",
-                str(_parameter_count(layer)),
-            )
+def _row(name, operation) -> tuple:
+    outputs = models.output_dtypes(operation)
+    output_text = ",".join(outputs) if outputs else "?"
+    if not models.is_layer(operation):
+        # A keras.ops call computes in the dtype of its inputs (their
+        # result type), which is the dtype of its floating outputs.
+        floating = [d for d in outputs if models.is_floating(d)]
+        compute = floating[0] if floating else output_text
+        kind = type(operation).__name__
+        return (name, kind, _NO_POLICY, compute, "-", output_text, "0")
+    policy = models.layer_policy(operation)
+    variables = _variable_dtypes(operation)
+    return (
+        name,
+        type(operation).__name__,
+        policy.name,
+        policy.compute_dtype,
+        ",".join(variables) if variables else "-",
+        output_text,
+        str(_parameter_count(operation)),
+    )
+
+
+def _output_finding(tensor) -> Optional[str]:
+    dtype = keras.backend.standardize_dtype(tensor.dtype)
+    if not models.is_floating(dtype) or dtype == "float32":
+        return None
+    operation = tensor._keras_history.operation
+    source = getattr(operation, "name", tensor.name)
+    problem = (
+        f"Model output {source!r} is {dtype}: the loss and metrics would be "
+        "computed in low precision."
+    )
+    if operation is None or models.is_layer(operation):
+        return (
+            f"{problem} Give the last layer dtype='float32', or use "
+            "kmp.convert(), which does."
         )
-    return rows
-
-
-def _format_table(header, rows, first_number_column=None) -> List[str]:
-    """Aligns columns; those from `first_number_column` on to the right."""
-    if first_number_column is None:
-        first_number_column = len(header) - 1
-    widths = [
-        max(len(str(row[i])) for row in [header, *rows])
-        for i in range(len(header))
-    ]
-    lines = []
-    for row in [header, *rows]:
-        cells = [
-            str(cell).rjust(width)
-            if index >= first_number_column
-            else str(cell).ljust(width)
-            for index, (cell, width) in enumerate(zip(row, widths))
-        ]
-        lines.append("  ".join(cells).rstrip())
-    return lines
+    feeding = ", ".join(
+        repr(layer.name) for layer in models.producing_layers(tensor)
+    )
+    return (
+        f"{problem} It is a keras.ops call ({type(operation).__name__}), "
+        "which computes in the dtype of its inputs: give the layers feeding "
+        f"it ({feeding or 'none'}) dtype='float32', or use kmp.convert(), "
+        "which does."
+    )
 
 
 def _findings(model) -> List[str]:
     """The mixed-precision problems visible in the model's structure."""
     findings = []
-    for tensor in keras.tree.flatten(model.outputs):
-        dtype = keras.backend.standardize_dtype(tensor.dtype)
-        if _is_floating(dtype) and dtype != "float32":
-            operation = tensor._keras_history.operation
-            source = getattr(operation, "name", tensor.name)
-            findings.append(
-                f"Model output {source!r} is {dtype}: the loss and "
-                "metrics would be computed in low precision. Give the last "
-                "layer dtype='float32', or use kmp.convert(), which does."
-            )
-    named = list(_named_leaf_layers(model))
+    for tensor in models.output_tensors(model):
+        finding = _output_finding(tensor)
+        if finding:
+            findings.append(finding)
     float16_layers = []
-    for name, layer in named:
-        compute = layer.dtype_policy.compute_dtype
-        if compute in LOW_PRECISION_DTYPES and _computes_softmax(layer):
+    for name, layer in models.named_operations(model):
+        if not models.is_layer(layer):
+            continue
+        compute = models.layer_policy(layer).compute_dtype
+        if compute in models.LOW_PRECISION_DTYPES and _computes_softmax(layer):
             findings.append(
                 f"Layer {name!r} computes a softmax in {compute}, where its "
                 "exponentials overflow and small probabilities vanish. Give "
@@ -144,7 +138,8 @@ def _findings(model) -> List[str]:
         low_variables = [
             v.path
             for v in layer.weights
-            if keras.backend.standardize_dtype(v.dtype) in LOW_PRECISION_DTYPES
+            if keras.backend.standardize_dtype(v.dtype)
+            in models.LOW_PRECISION_DTYPES
         ]
         if low_variables:
             findings.append(
@@ -202,8 +197,9 @@ def summary(
     """Describes the dtypes of every layer of `model` and what to fix.
 
     The table lists, per layer: name, class, policy, compute dtype, the dtypes
-    of its variables, the dtype of its output and its parameter count. The
-    findings below it are explained in this module's docstring.
+    of its variables, the dtype of its output and its parameter count; a
+    `keras.ops` call has no policy (`-`) and computes in its inputs' dtype.
+    The findings below it are explained in this module's docstring.
 
     Args:
         model: A built Sequential or Functional model.
@@ -233,18 +229,23 @@ def summary(
             f"print. Received: print_fn={print_fn!r} of type "
             f"{type(print_fn).__name__}"
         )
-    _check_graph_model(model, "summary")
-    _check_built(model, "summary", "has no layer dtypes to show yet")
-    rows = _layer_rows(model)
+    models.check_graph_model(model, "summary")
+    models.check_built(model, "summary", "has no layer dtypes to show yet")
+    rows = [_row(name, op) for name, op in models.named_operations(model)]
     lines = [
         f"Model {model.name!r} ({type(model).__name__}); global policy "
         f"{global_policy().name!r}",
         "",
-        *_format_table((*_COLUMNS, "Params"), rows),
+        *text_table(_COLUMNS, rows),
         "",
         f"Total params: {sum(int(row[-1]) for row in rows)}",
-        "",
     ]
+    if any(row[2] == _NO_POLICY for row in rows):
+        lines.append(
+            f"Policy {_NO_POLICY!r}: a keras.ops call, which has no policy "
+            "and computes in the dtype its inputs arrive in."
+        )
+    lines.append("")
     findings = _findings(model)
     if findings:
         lines.append(f"Findings ({len(findings)}):")
@@ -257,45 +258,4 @@ def summary(
     return text
 
 
-# --- kmp inspect --------------------------------------------------------------
-
-
-def _existing_file(path: str) -> str:
-    if not os.path.isfile(path):
-        raise argparse.ArgumentTypeError(f"no such file: {path!r}")
-    return path
-
-
-def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "inspect",
-        help="show each layer's dtypes and mixed-precision findings",
-        description=(
-            "Print a table of every layer's policy, compute, variable and "
-            "output dtypes and parameter count, then the mixed-precision "
-            "problems found (float16 outputs or softmax, sizes that are not "
-            "multiples of 8, float16 variables, missing loss scaling)."
-        ),
-    )
-    parser.add_argument(
-        "model", type=_existing_file, help="a saved model (.keras file)"
-    )
-    parser.set_defaults(func=run)
-
-
-def _load_model(path: str) -> keras.Model:
-    """Loads a `.keras` file; the optimizer's state is of no interest here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="Skipping variable loading for optimizer"
-        )
-        return keras.saving.load_model(path)
-
-
-def run(args) -> int:
-    model = _load_model(args.model)
-    print(summary(model))
-    return 0
-
-
-__all__ = ["summary"]
+__all__ = ["TENSOR_CORE_MULTIPLE", "summary"]

@@ -1,11 +1,12 @@
-"""Tests for kmp.convert: same architecture and weights, another policy."""
+"""Tests for kmp.tools.convert: the same model and weights, another policy."""
 
 import keras
 import numpy as np
 import pytest
 
 import kmp
-from kmp.conversion import convert
+from kmp.tools.convert import convert
+from kmp.tools.models import layer_policy
 
 LOW_PRECISION = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
 
@@ -293,8 +294,8 @@ def test_unbuilt_model_is_refused():
 class _WithoutConfig(keras.layers.Layer):
     """A custom layer whose constructor takes an argument get_config omits."""
 
-    def __init__(self, units):
-        super().__init__()
+    def __init__(self, units, name=None):
+        super().__init__(name=name)
         self.units = units
 
     def build(self, input_shape):
@@ -306,7 +307,10 @@ class _WithoutConfig(keras.layers.Layer):
 
 @pytest.mark.parametrize(
     "make_layer",
-    [lambda: keras.layers.Lambda(lambda t: t * 2), lambda: _WithoutConfig(3)],
+    [
+        lambda: keras.layers.Lambda(lambda t: t * 2, name="odd"),
+        lambda: _WithoutConfig(3, name="odd"),
+    ],
     ids=["lambda", "custom_layer_without_config"],
 )
 def test_layer_that_cannot_be_rebuilt_gets_the_alternative(make_layer):
@@ -316,5 +320,216 @@ def test_layer_that_cannot_be_rebuilt_gets_the_alternative(make_layer):
         convert(model, "mixed_float16")
     message = str(info.value)
     assert "rebuilds every layer from its config" in message
+    assert "rebuilding layer 'odd' (" in message
     assert "kmp.policy_scope(policy)" in message
     assert info.value.__cause__ is not None  # Keras's own error, chained.
+
+
+# --- keras.ops calls in the graph --------------------------------------------
+
+
+def _with_operations():
+    """Dense -> x * 2 -> x[:, :4] -> cast to float32 -> Dense -> x[:, 0]."""
+    inputs = keras.Input((6,), name="features")
+    hidden = keras.layers.Dense(8, name="hidden")(inputs)
+    sliced = (hidden * 2.0)[:, :4]
+    cast = keras.ops.cast(sliced, "float32")
+    logits = keras.layers.Dense(3, name="logits")(cast)
+    return keras.Model(inputs, [logits, logits[:, 0] + 1.0], name="ops")
+
+
+def _operation_classes(model):
+    return [
+        type(op).__name__
+        for op in model.operations
+        if not isinstance(op, keras.Layer)
+    ]
+
+
+@pytest.mark.parametrize("policy", list(LOW_PRECISION))
+def test_keras_ops_calls_are_copied_and_follow_their_inputs(policy):
+    model = _with_operations()
+    converted = convert(model, policy)
+
+    assert (
+        _operation_classes(converted)
+        == _operation_classes(model)
+        == [
+            "Multiply",
+            "GetItem",
+            "Cast",
+            "GetItem",
+            "Add",
+        ]
+    )
+    assert _policies(converted)["hidden"] == policy
+    # Both outputs come from "logits", through keras.ops calls for the
+    # second: it is kept in float32, so both outputs are float32.
+    assert _policies(converted)["logits"] == "float32"
+    assert [
+        keras.backend.standardize_dtype(x.dtype) for x in converted.outputs
+    ] == ["float32", "float32"]
+    multiply = next(
+        op for op in converted.operations if type(op).__name__ == "Multiply"
+    )
+    assert multiply._inbound_nodes[0].outputs[0].dtype == LOW_PRECISION[policy]
+    _assert_same_weights(model, converted)
+    x = np.random.default_rng(0).normal(size=(4, 6)).astype("float32")
+    for expected, actual in zip(model(x), converted(x)):
+        np.testing.assert_allclose(actual, expected, rtol=0.1, atol=0.05)
+
+
+def test_keras_ops_calls_round_trip_back_to_float32():
+    model = _with_operations()
+    back = convert(convert(model, "mixed_float16"), "float32")
+    assert set(_policies(back).values()) == {"float32"}
+    x = np.ones((2, 6), "float32")
+    for expected, actual in zip(model(x), back(x)):
+        np.testing.assert_array_equal(actual, expected)
+
+
+def test_an_explicit_cast_to_low_precision_stays():
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(4, name="hidden")(inputs)
+    outputs = keras.layers.Dense(2, name="out")(
+        keras.ops.cast(hidden, "bfloat16")
+    )
+    converted = convert(keras.Model(inputs, outputs), "mixed_float16")
+    cast = next(
+        op for op in converted.operations if type(op).__name__ == "Cast"
+    )
+    assert cast._inbound_nodes[0].outputs[0].dtype == "bfloat16"
+    assert converted.outputs[0].dtype == "float32"
+
+
+def test_keep_float32_naming_an_operation_names_the_layers_feeding_it():
+    with pytest.raises(ValueError) as info:
+        convert(_with_operations(), "mixed_float16", keep_float32=["multiply*"])
+    message = str(info.value)
+    assert "names the keras.ops call(s) 'multiply" in message
+    assert "which have no policy" in message
+    assert "Keep the layers feeding it in float32 instead: 'hidden'" in message
+
+
+def test_nested_model_with_keras_ops_calls():
+    inner_inputs = keras.Input((4,))
+    inner_hidden = keras.layers.Dense(4, name="inner_a")(inner_inputs)
+    block = keras.Model(
+        inner_inputs,
+        keras.layers.Dense(4, name="inner_b")(inner_hidden * 0.5)[:, :2],
+        name="block",
+    )
+    inputs = keras.Input((4,))
+    outputs = block(keras.ops.cast(inputs, "float32")) - 1.0
+    model = keras.Model(inputs, outputs)
+
+    converted = convert(model, "mixed_float16")
+    inner = converted.get_layer("block")
+    assert inner is not block
+    # The model's output comes from inner_b, through two keras.ops calls.
+    assert _policies(inner) == {
+        "inner_a": "mixed_float16",
+        "inner_b": "float32",
+    }
+    assert converted.outputs[0].dtype == "float32"
+    _assert_same_weights(model, converted)
+    x = np.ones((2, 4), "float32")
+    np.testing.assert_allclose(converted(x), model(x), rtol=0.01, atol=0.01)
+
+
+# --- Functional subclasses (keras-hub style) ----------------------------------
+
+
+class _Backbone(keras.Model):
+    """A Functional subclass that builds its graph from its settings, as
+    keras-hub backbones do (dtype passed to every layer, get_config of the
+    constructor's arguments)."""
+
+    def __init__(self, units=4, dtype=None, **kwargs):
+        inputs = keras.Input((3,), name="x")
+        hidden = keras.layers.Dense(units, name="hidden", dtype=dtype)(inputs)
+        middle = keras.layers.Dense(units, name="middle", dtype=dtype)(
+            hidden * 2.0
+        )
+        outputs = keras.layers.Dense(2, name="head", dtype=dtype)(middle)
+        super().__init__(inputs, outputs, **kwargs)
+        self.units = units
+        if dtype is not None:
+            self.dtype_policy = keras.dtype_policies.get(dtype)
+
+    def get_config(self):
+        return {
+            "units": self.units,
+            "name": self.name,
+            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if isinstance(config.get("dtype"), dict):
+            config["dtype"] = keras.dtype_policies.get(config["dtype"])
+        return cls(**config)
+
+    def greet(self):
+        return f"{type(self).__name__} {self.name}"
+
+
+def _resolved_policies(model):
+    return {
+        layer.name: layer_policy(layer).name
+        for layer in model.layers
+        if not isinstance(layer, keras.layers.InputLayer)
+    }
+
+
+def test_functional_subclass_keeps_its_class():
+    model = _Backbone(name="tiny")
+    converted = convert(model, "mixed_float16")
+
+    assert type(converted) is _Backbone
+    assert converted.greet() == "_Backbone tiny"
+    assert _resolved_policies(converted) == {
+        "hidden": "mixed_float16",
+        "middle": "mixed_float16",
+        "head": "float32",
+    }
+    _assert_same_weights(model, converted)
+    x = np.ones((2, 3), "float32")
+    np.testing.assert_allclose(converted(x), model(x), rtol=0.01, atol=0.01)
+
+
+def test_functional_subclass_keep_float32_saves_and_loads(tmp_path):
+    model = _Backbone(name="tiny")
+    converted = convert(model, "mixed_bfloat16", keep_float32=["middle"])
+    expected = {
+        "hidden": "mixed_bfloat16",
+        "middle": "float32",
+        "head": "float32",
+    }
+    assert _resolved_policies(converted) == expected
+
+    path = tmp_path / "tiny.keras"
+    converted.save(path)
+    loaded = keras.saving.load_model(
+        path, custom_objects={"_Backbone": _Backbone}
+    )
+    assert type(loaded) is _Backbone
+    assert _resolved_policies(loaded) == expected
+    _assert_same_weights(converted, loaded)
+
+
+class _WithoutOwnConfig(keras.Model):
+    def __init__(self, activation):
+        inputs = keras.Input((3,))
+        dense = keras.layers.Dense(2, activation=activation, name="dense")
+        super().__init__(inputs, dense(inputs))
+
+
+def test_functional_subclass_without_a_full_config_is_refused():
+    model = _WithoutOwnConfig(lambda t: t)
+    with pytest.raises(ValueError) as info:
+        convert(model, "mixed_float16")
+    message = str(info.value)
+    assert "_WithoutOwnConfig.from_config(model.get_config())" in message
+    assert "kmp.policy_scope(policy)" in message

@@ -1,4 +1,4 @@
-"""guides/tools.py runs from top to bottom and shows what it says it shows."""
+"""guides/tools.py, the tools' guide, runs from top to bottom as it says."""
 
 import os
 import pathlib
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-GUIDE = pathlib.Path(__file__).resolve().parents[1] / "guides" / "tools.py"
+GUIDE = pathlib.Path(__file__).resolve().parents[2] / "guides" / "tools.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tests for kmp.audit and `kmp audit` on models built to over/underflow."""
+"""Tests for kmp.tools.audit on models built to over- and underflow."""
 
 import math
 
@@ -8,11 +8,10 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp.auditing import AuditReport
-from kmp.auditing import _suggested_scale
-from kmp.auditing import audit
-from kmp.cli import main
-from kmp.conversion import convert
+from kmp.tools.audit import AuditReport
+from kmp.tools.audit import audit
+from kmp.tools.audit_stats import suggested_scale
+from kmp.tools.convert import convert
 
 FLOAT16_MAX = 65504.0
 
@@ -170,7 +169,7 @@ def test_max_relative_error_sets_the_threshold():
     ids=["one", "at_limit", "too_large", "tiny", "zero"],
 )
 def test_suggested_scale_rule(max_gradient, expected):
-    assert _suggested_scale(max_gradient) == expected
+    assert suggested_scale(max_gradient) == expected
 
 
 def test_activations_only_without_y():
@@ -457,58 +456,90 @@ def test_subclassed_model_is_refused():
         audit(Subclassed(), np.ones((2, 2)), policy="mixed_float16")
 
 
-def test_audit_command(tmp_path, capsys):
-    model = _overflow_model()
-    model.compile(loss="mse")
-    model_path = tmp_path / "model.keras"
-    model.save(model_path)
-    x, y = _data()
-    data_path = tmp_path / "data.npz"
-    np.savez(data_path, x=x, y=y)
-    plot_path = tmp_path / "ranges.png"
+# --- keras.ops calls in the graph --------------------------------------------
 
-    code = main(
-        [
-            "audit",
-            str(model_path),
-            "--data",
-            str(data_path),
-            "--policy",
-            "mixed_float16",
-            "--plot",
-            str(plot_path),
-        ]
+
+def _model_with_operations(scale=3e4):
+    """hidden (about 4) -> x * scale -> x[:, :4] -> float32 -> logits."""
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(8, name="hidden")(inputs)
+    scaled = hidden * scale
+    sliced = scaled[:, :4]
+    cast = keras.ops.cast(sliced, "float32")
+    outputs = keras.layers.Dense(3, name="logits")(cast)
+    model = keras.Model(inputs, outputs)
+    model.get_layer("hidden").set_weights(
+        [np.full((8, 8), 1.0, "float32"), np.zeros(8, "float32")]
     )
-    out = capsys.readouterr().out
-    assert code == 0
-    assert "Keep in float32: kmp.convert(model, 'mixed_float16', " in out
-    assert "- 'big': largest |activation|" in out
-    assert plot_path.exists()
+    return model
 
 
-def test_audit_command_needs_x_in_the_data(tmp_path):
-    model_path = tmp_path / "model.keras"
-    _overflow_model().save(model_path)
-    data_path = tmp_path / "data.npz"
-    np.savez(data_path, inputs=np.ones((2, 8)))
-    with pytest.raises(SystemExit, match="has no array 'x'.*inputs"):
-        main(["audit", str(model_path), "--data", str(data_path)])
+def test_operations_get_rows_in_their_inputs_dtype():
+    x, y = _data()
+    report = audit(
+        _model_with_operations(), x, y, loss="mse", policy="mixed_float16"
+    )
+    rows = {row.class_name: row for row in report.layers}
+    assert [row.class_name for row in report.layers] == [
+        "Dense",
+        "Multiply",
+        "GetItem",
+        "Cast",
+        "Dense",
+    ]
+    assert rows["Multiply"].operation and not rows["Dense"].operation
+    assert rows["Multiply"].compute_dtype == "float16"
+    assert rows["GetItem"].compute_dtype == "float16"
+    assert rows["Cast"].compute_dtype == "float32"
+    assert rows["Multiply"].inputs_from == ("hidden",)
+    # x * 3e4 overflows float16; the cast to float32 after it does not.
+    assert rows["Multiply"].overflows and math.isinf(
+        rows["Multiply"].local_error
+    )
+    assert not rows["Cast"].overflows and rows["Cast"].local_error == 0
+    assert rows["Multiply"].weight_gradient_underflow is None
+    assert "Multiply (op)" in report.to_text()
 
 
-def test_audit_command_works_on_a_mixed_model_as_saved(tmp_path, capsys):
-    with kmp.policy_scope("mixed_float16"):
-        model = keras.Sequential(
-            [
-                keras.Input((8,)),
-                keras.layers.Dense(8, name="hidden"),
-                keras.layers.Dense(3, dtype="float32", name="out"),
-            ]
-        )
-    model_path = tmp_path / "mixed.keras"
-    model.save(model_path)
-    data_path = tmp_path / "data.npz"
-    np.savez(data_path, x=_data()[0])
-    assert main(["audit", str(model_path), "--data", str(data_path)]) == 0
-    out = capsys.readouterr().out
-    assert "under mixed_float16" in out
-    assert "Keep in float32: no layer needs it." in out
+def test_an_overflowing_operation_suggests_the_layer_feeding_it():
+    x, y = _data()
+    model = _model_with_operations()
+    report = audit(model, x, y, loss="mse", policy="mixed_float16")
+    assert report.suggested_keep_float32 == ["hidden"]
+    assert "it feeds the keras.ops call" in report.reasons["hidden"]
+    fixed = convert(model, "mixed_float16", keep_float32=["hidden"])
+    assert np.all(np.isfinite(fixed.predict(x, verbose=0)))
+    blind = convert(model, "mixed_float16")
+    assert not np.all(np.isfinite(blind.predict(x, verbose=0)))
+
+
+def test_operations_in_a_model_under_its_own_policy():
+    with kmp.policy_scope("mixed_bfloat16"):
+        model = _model_with_operations(scale=2.0)
+    x, _ = _data()
+    report = audit(model, x)
+    assert report.policy == "mixed_bfloat16"
+    assert {row.compute_dtype for row in report.layers} == {
+        "bfloat16",
+        "float32",
+    }
+
+
+def test_nested_model_with_operations_is_one_row():
+    inner_inputs = keras.Input((8,))
+    inner = keras.Model(
+        inner_inputs,
+        keras.layers.Dense(8, name="inner_dense")(inner_inputs)[:, :4] * 2.0,
+        name="block",
+    )
+    inputs = keras.Input((8,))
+    outputs = keras.layers.Dense(2, name="out")(inner(inputs) + 1.0)
+    model = keras.Model(inputs, outputs)
+    x, y = _data(outputs=2)
+    report = audit(model, x, y, loss="mse", policy="mixed_float16")
+    assert [(row.name, row.operation) for row in report.layers][0] == (
+        "block",
+        False,
+    )
+    assert [row.class_name for row in report.layers][1:] == ["Add", "Dense"]
+    assert all(row.local_error < 1e-2 for row in report.layers)

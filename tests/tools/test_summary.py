@@ -1,12 +1,11 @@
-"""Tests for kmp.summary and `kmp inspect`: the dtype table and findings."""
+"""Tests for kmp.tools.summary: the dtype table and the findings."""
 
 import keras
 import pytest
 
 import kmp
-from kmp.cli import main
-from kmp.conversion import convert
-from kmp.inspection import summary
+from kmp.tools.convert import convert
+from kmp.tools.summary import summary
 
 
 def _row(text, name):
@@ -16,6 +15,16 @@ def _row(text, name):
         if cells and cells[0] == name:
             return cells
     raise AssertionError(f"no row for {name!r} in:\n{text}")
+
+
+def _class_row(text, class_name):
+    """The table row of the only layer or keras.ops call of `class_name`."""
+    (row,) = [
+        line.split()
+        for line in text.splitlines()
+        if len(line.split()) > 1 and line.split()[1] == class_name
+    ]
+    return row
 
 
 def _findings(text):
@@ -161,24 +170,57 @@ def test_subclassed_and_unbuilt_models_are_refused():
         summary(keras.Sequential([keras.layers.Dense(2)]))
 
 
-def test_inspect_command_prints_the_summary_of_a_saved_model(tmp_path, capsys):
-    model = _mixed_model()
-    path = tmp_path / "model.keras"
-    model.save(path)
+# --- keras.ops calls in the graph --------------------------------------------
 
-    assert main(["inspect", str(path)]) == 0
-    out = capsys.readouterr().out
-    assert _row(out, "hidden")[2:6] == [
-        "mixed_float16",
+
+def test_keras_ops_calls_are_listed_without_a_policy():
+    with kmp.policy_scope("mixed_float16"):
+        inputs = keras.Input((16,))
+        hidden = keras.layers.Dense(16, name="hidden")(inputs)
+        sliced = (hidden * 2.0)[:, :8]
+        outputs = keras.layers.Dense(8, name="out", dtype="float32")(
+            keras.ops.cast(sliced, "float32")
+        )
+        model = keras.Model(inputs, outputs)
+    text = summary(model)
+    assert _class_row(text, "Multiply")[1:] == [
+        "Multiply",
+        "-",
         "float16",
-        "float32",
+        "-",
         "float16",
+        "0",
     ]
-    assert "computes a softmax in float16" in out
+    assert _class_row(text, "GetItem")[1:4] == ["GetItem", "-", "float16"]
+    assert _class_row(text, "Cast")[1:4] == ["Cast", "-", "float32"]
+    assert "Policy '-': a keras.ops call, which has no policy" in text
+    assert _findings(text) == []
 
 
-def test_inspect_command_rejects_a_missing_file(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["inspect", "no/such/model.keras"])
-    assert exit_info.value.code == 2
-    assert "no such file" in capsys.readouterr().err
+def test_a_float16_output_from_a_keras_ops_call_names_the_layer_feeding_it():
+    with kmp.policy_scope("mixed_float16"):
+        inputs = keras.Input((8,))
+        logits = keras.layers.Dense(8, name="logits")(inputs)
+        model = keras.Model(inputs, logits[:, 0])
+    (finding,) = _findings(summary(model))
+    assert "Model output 'get_item" in finding and "is float16" in finding
+    assert "keras.ops call (GetItem)" in finding
+    assert "give the layers feeding it ('logits') dtype='float32'" in finding
+    converted = summary(convert(model, "mixed_float16"))
+    assert not any("Model output" in f for f in _findings(converted))
+
+
+def test_nested_model_with_keras_ops_calls():
+    inner_inputs = keras.Input((4,))
+    block = keras.Model(
+        inner_inputs,
+        keras.layers.Dense(4, name="inner")(inner_inputs) * 3.0,
+        name="block",
+    )
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, block(inputs)[:, :2])
+    text = summary(model)
+    multiply = _class_row(text, "Multiply")
+    assert multiply[0].startswith("block/multiply") and multiply[2] == "-"
+    assert _class_row(text, "GetItem")[2] == "-"
+    assert _row(text, "block/inner")[1] == "Dense"

@@ -1,4 +1,4 @@
-"""Tests for `kmp bench` (kmp/bench.py), at a tiny size; nothing is timed here.
+"""Tests for `kmp bench` (kmp_cli/bench.py), at a tiny size; nothing is timed.
 
 One in-process run of the whole command (every default policy and loop, the
 native comparison, --json and --plot) is shared by the tests that read its
@@ -16,8 +16,10 @@ import sys
 
 import pytest
 
-from kmp import bench
-from kmp.cli import main
+import kmp_cli.bench
+from kmp.tools import bench
+from kmp.tools import bench_report
+from kmp_cli import main
 
 TINY = [
     "--steps",
@@ -31,8 +33,13 @@ TINY = [
     "--batch-size",
     "16",
 ]
+# Every configuration's steps: its first call, --warmup more, one untimed
+# step per round, then --steps timed ones.
+STEPS_RUN = 1 + 2 + 2 + 4
 KMP_ROWS = [
-    (policy, loop) for policy in bench.DEFAULT_POLICIES for loop in bench.LOOPS
+    (policy, loop)
+    for policy in bench.DEFAULT_POLICIES
+    for loop in bench_report.LOOPS
 ]
 NATIVE_ROWS = [("mixed_float16", "fit"), ("mixed_float16", "custom")]
 
@@ -94,8 +101,8 @@ def test_full_run_exits_zero(full_run):
 
 def test_tables_have_the_documented_columns(full_run):
     (kmp_header, _), (native_header, _) = _tables(full_run["output"])
-    assert kmp_header == list(bench.COLUMNS)
-    assert native_header == list(bench.COLUMNS) + ["kmp / native"]
+    assert kmp_header == list(bench_report.COLUMNS)
+    assert native_header == list(bench_report.COLUMNS) + ["kmp / native"]
 
 
 def test_every_requested_configuration_has_a_row(full_run):
@@ -142,8 +149,8 @@ def test_progress_is_shown_for_both_loops(full_run):
     assert "Building and warming up 8 configurations" in output
     assert "round 2/2, 2 steps: float32 / model.fit / kmp" in output
     assert "round 2/2, 2 steps: mixed_float16 / custom loop / native" in output
-    # Keras's progress bars (fit's own, and the custom loop's Progbar).
-    assert output.count("2/2") >= 2 * 8
+    assert output.count("  warmed up ") == 8
+    assert "warmed up float32 / custom loop / kmp: first call" in output
 
 
 # --- --json and --plot -------------------------------------------------------
@@ -158,7 +165,7 @@ def test_json_holds_machine_info_and_settings(full_run):
     settings = document["settings"]
     assert settings["steps"] == 4 and settings["rounds"] == 2
     assert settings["policies"] == list(bench.DEFAULT_POLICIES)
-    assert document["summary"] == bench.summarize(document["results"])
+    assert document["summary"] == bench_report.summarize(document["results"])
 
 
 def test_json_holds_every_configuration_and_its_measurements(full_run):
@@ -175,11 +182,12 @@ def test_json_holds_every_configuration_and_its_measurements(full_run):
         assert r["median_ms"] == pytest.approx(statistics.median(times))
         assert r["min_ms"] <= r["q1_ms"] <= r["median_ms"] <= r["q3_ms"]
         assert r["q3_ms"] <= r["max_ms"]
-        assert len(r["losses"]) == r["warmup_steps"] + r["steps"] == 6
+        assert len(r["losses"]) == STEPS_RUN
+        assert r["warmup_steps"] == 2
         assert math.isfinite(r["final_loss"])
         assert 0.0 <= r["test_accuracy"] <= 1.0
         if r["loss_scaling"]:
-            assert len(r["loss_scales"]) == 6
+            assert len(r["loss_scales"]) == STEPS_RUN
             assert r["final_loss_scale"] == r["loss_scales"][-1]
             assert isinstance(r["skipped_steps"], int)
         else:
@@ -259,124 +267,6 @@ def test_quiet_prints_only_results():
     assert [(r["policy"], r["loop"]) for r in rows] == [("float32", "custom")]
 
 
-def test_run_benchmark_without_float32():
-    results = bench.run_benchmark(
-        ["mixed_float16"],
-        ["custom"],
-        steps=2,
-        batch_size=8,
-        units=4,
-        rounds=1,
-        warmup_steps=1,
-        verbose=False,
-    )
-    assert [(r["policy"], r["implementation"]) for r in results] == [
-        ("mixed_float16", "kmp"),
-        ("mixed_float16", "native"),
-    ]
-    assert results[0]["speedup_vs_float32"] is None
-    (_, kmp_rows), _ = _tables(bench.format_table(results))
-    assert kmp_rows[0]["speed-up vs float32"] == "-"
-    assert "float32 was not benchmarked" in bench.summarize(results)
-
-
-# --- Reporting, on made-up results ------------------------------------------
-
-
-def _result(policy, loop, median_ms, accuracy, implementation="kmp"):
-    scaled = policy == "mixed_float16"
-    return {
-        "policy": policy,
-        "loop": loop,
-        "implementation": implementation,
-        "loss_scaling": scaled,
-        "device": "cpu",
-        "batch_size": 100,
-        "units": 8,
-        "warmup_steps": 1,
-        "steps": 3,
-        "step_times_ms": [median_ms] * 3,
-        "median_ms": median_ms,
-        "q1_ms": median_ms,
-        "q3_ms": median_ms,
-        "min_ms": median_ms,
-        "max_ms": median_ms,
-        "samples_per_second": 100 / (median_ms / 1000),
-        "speedup_vs_float32": None,
-        "kmp_over_native": None,
-        "final_loss": 0.25,
-        "test_accuracy": accuracy,
-        "losses": [1.0, 0.5, 0.3, 0.25],
-        "loss_scales": [4.0, 2.0, 2.0, 2.0] if scaled else None,
-        "final_loss_scale": 2.0 if scaled else None,
-        "skipped_steps": 1 if scaled else None,
-    }
-
-
-def _with_comparisons(results):
-    bench._add_comparisons(results)
-    return results
-
-
-def test_summary_reports_a_speedup_at_the_same_accuracy():
-    results = _with_comparisons(
-        [
-            _result("float32", "fit", 4.2, 0.969),
-            _result("mixed_bfloat16", "fit", 2.0, 0.962),
-        ]
-    )
-    assert bench.summarize(results) == (
-        "model.fit: mixed_bfloat16 is 2.1x faster than float32 here and "
-        "reaches the same accuracy (96.2% vs 96.9%)."
-    )
-
-
-def test_summary_reports_the_honest_opposite():
-    results = _with_comparisons(
-        [
-            _result("float32", "custom", 2.0, 0.97),
-            _result("mixed_bfloat16", "custom", 3.0, 0.95),
-        ]
-    )
-    summary = bench.summarize(results)
-    assert summary.startswith(
-        "custom loop: mixed_bfloat16 is 1.5x slower than float32 here and "
-        "ends 2.0 points lower in accuracy (95.0% vs 97.0%)."
-    )
-    assert "16-bit compute pays off" in summary
-
-
-def test_summary_reports_kmp_against_native_and_skipped_steps():
-    results = _with_comparisons(
-        [
-            _result("mixed_float16", "custom", 5.5, 0.97),
-            _result("mixed_float16", "custom", 5.0, 0.97, "native"),
-        ]
-    )
-    summary = bench.summarize(results)
-    assert (
-        "custom loop: kmp's mixed_float16 steps take 10% longer than native "
-        "Keras 3's (5.50 vs 5.00 ms/step)" in summary
-    )
-    assert "(custom loop, kmp) skipped 1 step with inf/NaN" in summary
-
-
-def test_format_table_puts_native_rows_in_a_second_table():
-    results = _with_comparisons(
-        [
-            _result("float32", "fit", 2.0, 0.97),
-            _result("mixed_float16", "fit", 8.0, 0.97),
-            _result("mixed_float16", "fit", 4.0, 0.97, "native"),
-        ]
-    )
-    (_, kmp_rows), (_, native_rows) = _tables(bench.format_table(results))
-    assert [r["speed-up vs float32"] for r in kmp_rows] == ["1.00", "0.25"]
-    assert kmp_rows[1]["final loss scale"] == "2"
-    assert kmp_rows[1]["skipped steps"] == "1"
-    assert native_rows[0]["kmp / native"] == "2.00"
-    assert native_rows[0]["ms/step (median)"] == "4.00 (4.00-4.00)"
-
-
 # --- Bad arguments -----------------------------------------------------------
 
 
@@ -421,31 +311,6 @@ def test_bad_arguments_are_usage_errors(arguments, fragment, tmp_path, capsys):
     assert fragment in error
 
 
-@pytest.mark.parametrize(
-    "keyword, value, error, fragment",
-    [
-        ("policies", ["float32", "int8"], ValueError, "must name only"),
-        ("policies", "float32", TypeError, "must be a list of names"),
-        ("loops", [], ValueError, "at least one"),
-        ("steps", 0, ValueError, "'steps' must be an integer >= 1"),
-        ("units", 2.5, TypeError, "'units' must be an integer"),
-        ("rounds", 9, ValueError, "'rounds' must be at most 'steps'"),
-    ],
-    ids=[
-        "unknown_policy",
-        "policies_string",
-        "no_loops",
-        "zero_steps",
-        "float_units",
-        "more_rounds_than_steps",
-    ],
-)
-def test_run_benchmark_rejects_bad_arguments(keyword, value, error, fragment):
-    arguments = {"steps": 4, "rounds": 2, "verbose": False, keyword: value}
-    with pytest.raises(error, match=fragment):
-        bench.run_benchmark(**arguments)
-
-
 def test_help_through_python_dash_m():
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     completed = subprocess.run(
@@ -459,3 +324,65 @@ def test_help_through_python_dash_m():
     assert completed.stdout.startswith("usage: kmp bench")
     for option in ("--policies", "--loops", "--steps", "--json", "--plot"):
         assert option in completed.stdout
+
+
+def test_the_command_line_defaults_are_run_benchmarks():
+    assert kmp_cli.bench.DEFAULT_POLICIES == ",".join(bench.DEFAULT_POLICIES)
+    assert kmp_cli.bench.LOOPS == bench_report.LOOPS
+    for name in ("STEPS", "BATCH_SIZE", "UNITS", "ROUNDS", "WARMUP_STEPS"):
+        assert getattr(kmp_cli.bench, f"DEFAULT_{name}") == getattr(
+            bench, f"DEFAULT_{name}"
+        )
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_other_backends_are_not_supported_yet(backend, capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(["bench", *TINY, "--backend", backend])
+    assert raised.value.code == 2
+    error = capsys.readouterr().err
+    assert f"--backend: {backend} is not supported yet" in error
+    assert "tf.GradientTape" in error and "--backend tensorflow" in error
+
+
+def _python(code, backend):
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    environment["KERAS_BACKEND"] = backend
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=600,
+    )
+
+
+def test_backend_runs_the_bench_in_a_process_on_that_backend():
+    # This process is on "jax" (not even installed here): kmp bench must not
+    # import Keras here, and runs itself again on TensorFlow.
+    code = (
+        "import sys, kmp_cli\n"
+        "code = kmp_cli.main(['bench', '--backend', 'tensorflow', "
+        "'--policies', 'float32', '--loops', 'custom', '--no-native', "
+        "'--steps', '1', '--rounds', '1', '--warmup', '1', '--units', '4', "
+        "'--batch-size', '8', '--quiet'])\n"
+        "assert 'keras' not in sys.modules, 'keras imported'\n"
+        "sys.exit(code)\n"
+    )
+    completed = _python(code, "jax")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "| float32 | custom |" in completed.stdout
+
+
+def test_keras_on_another_backend_is_told_to_pass_backend(monkeypatch, capsys):
+    import keras
+
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(SystemExit) as raised:
+        main(["bench", *TINY])
+    assert raised.value.code == 2
+    error = capsys.readouterr().err
+    assert "Keras runs on 'jax' here, which kmp bench does not support" in (
+        error
+    )
+    assert "Use --backend tensorflow." in error

@@ -1,4 +1,4 @@
-"""kmp.testing: the fault injectors themselves (used by test_faults.py)."""
+"""Tests for kmp.tools.testing: GradientFaults and OverflowAt."""
 
 import keras
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp.testing import GradientFaults
-from kmp.testing import OverflowAt
+from kmp.tools.testing import GradientFaults
+from kmp.tools.testing import OverflowAt
 
 
 def _grads():

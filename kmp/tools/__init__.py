@@ -1,0 +1,16 @@
+"""kmp's tools, built on `kmp.core` (which never imports them).
+
+- `convert`: a model under another policy, same weights (`keep_float32`,
+  `rebuild` for keras-hub style models);
+- `summary`: each layer's dtypes and the mistakes visible in the structure;
+- `audit`: ranges, underflow and error per layer on real data
+  (`audit_data`, `audit_probe`, `audit_stats`, `audit_report`,
+  `audit_plot`);
+- `doctor`: the machine and the policy that suits it;
+- `bench`: policies timed and compared on a small classifier
+  (`bench_report`), with `timing`, the toolkit `benchmarks/` uses too;
+- `monitor`: the loss scale in `fit`'s logs; `testing`: fault injection;
+- shared: `models` (walking a model's graph), `tables` (text tables).
+
+The command line is the separate package `kmp_cli`.
+"""

@@ -1,0 +1,90 @@
+"""Tests for `kmp audit MODEL.keras --data DATA.npz` (kmp_cli/audit.py)."""
+
+import keras
+import numpy as np
+import pytest
+
+import kmp
+from kmp_cli import main
+
+
+def _overflow_model():
+    # hidden ~ 2, big ~ 2 * 16 * 2e4 = 6.4e5 > 65504; shrink brings it back.
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, name="hidden"),
+            keras.layers.Dense(8, name="big"),
+            keras.layers.Dense(8, name="shrink"),
+            keras.layers.Dense(3, name="logits"),
+        ]
+    )
+    for name, value in (("hidden", 0.5), ("big", 2e4), ("shrink", 1e-5)):
+        layer = model.get_layer(name)
+        kernel, bias = layer.get_weights()
+        layer.set_weights([np.full_like(kernel, value), np.zeros_like(bias)])
+    return model
+
+
+def _data(samples=32):
+    rng = np.random.default_rng(0)
+    x = rng.uniform(size=(samples, 8)).astype("float32")
+    y = rng.uniform(size=(samples, 3)).astype("float32")
+    return x, y
+
+
+def test_audit_command(tmp_path, capsys):
+    model = _overflow_model()
+    model.compile(loss="mse")
+    model_path = tmp_path / "model.keras"
+    model.save(model_path)
+    x, y = _data()
+    data_path = tmp_path / "data.npz"
+    np.savez(data_path, x=x, y=y)
+    plot_path = tmp_path / "ranges.png"
+
+    code = main(
+        [
+            "audit",
+            str(model_path),
+            "--data",
+            str(data_path),
+            "--policy",
+            "mixed_float16",
+            "--plot",
+            str(plot_path),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "Keep in float32: kmp.convert(model, 'mixed_float16', " in out
+    assert "- 'big': largest |activation|" in out
+    assert plot_path.exists()
+
+
+def test_audit_command_needs_x_in_the_data(tmp_path):
+    model_path = tmp_path / "model.keras"
+    _overflow_model().save(model_path)
+    data_path = tmp_path / "data.npz"
+    np.savez(data_path, inputs=np.ones((2, 8)))
+    with pytest.raises(SystemExit, match="has no array 'x'.*inputs"):
+        main(["audit", str(model_path), "--data", str(data_path)])
+
+
+def test_audit_command_works_on_a_mixed_model_as_saved(tmp_path, capsys):
+    with kmp.policy_scope("mixed_float16"):
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(8, name="hidden"),
+                keras.layers.Dense(3, dtype="float32", name="out"),
+            ]
+        )
+    model_path = tmp_path / "mixed.keras"
+    model.save(model_path)
+    data_path = tmp_path / "data.npz"
+    np.savez(data_path, x=_data()[0])
+    assert main(["audit", str(model_path), "--data", str(data_path)]) == 0
+    out = capsys.readouterr().out
+    assert "under mixed_float16" in out
+    assert "Keep in float32: no layer needs it." in out

@@ -1,0 +1,73 @@
+"""Tests for kmp.tools.doctor: what `kmp doctor` reports for a machine."""
+
+from kmp.core.hardware import Gpu
+from kmp.tools import doctor
+
+AMPERE = Gpu("NVIDIA A100", (8, 0))
+PASCAL = Gpu("Tesla P100", (6, 0))
+
+
+def test_format_report():
+    environment = doctor.Environment(
+        backend="tensorflow",
+        backend_version="2.21.0",
+        keras_version="3.15.1",
+        python_version="3.11.7",
+        gpus=(PASCAL, AMPERE),
+        tpus=0,
+        cpu_flags=frozenset({"avx512_bf16"}),
+    )
+    text = doctor.format_report(environment)
+    assert text.startswith(
+        "Keras 3.15.1 on the tensorflow backend (TensorFlow 2.21.0), "
+        "Python 3.11.7\n"
+    )
+    assert "GPU 0: Tesla P100 (compute capability 6.0), no Tensor Cores" in (
+        text
+    )
+    assert "GPU 1: NVIDIA A100 (compute capability 8.0)\n" in text
+    assert "CPU bfloat16 instructions: avx512_bf16" in text
+    assert "CPU float16 instructions: none" in text
+    assert "Recommended policy: mixed_float16" in text
+    assert "kmp.set_global_policy('mixed_float16')" in text
+
+
+def test_format_report_on_other_backends():
+    environment = doctor.Environment(
+        "jax", "0.7.0", "3.15.1", "3.11.7", (), 0, frozenset()
+    )
+    assert doctor.format_report(environment).startswith(
+        "Keras 3.15.1 on the jax backend (JAX 0.7.0)"
+    )
+
+
+def test_format_report_on_a_cpu_with_float16_instructions():
+    environment = doctor.Environment(
+        "tensorflow",
+        "2.21.0",
+        "3.15.1",
+        "3.11.7",
+        (),
+        0,
+        frozenset({"avx512_fp16"}),
+    )
+    text = doctor.format_report(environment)
+    assert "CPU float16 instructions: avx512_fp16" in text
+    assert "{'remapping': False}" in text
+
+
+def test_format_report_without_cpuinfo_or_gpus():
+    environment = doctor.Environment(
+        "tensorflow", "2", "3", "3.11", (), 0, None
+    )
+    text = doctor.format_report(environment)
+    assert "GPUs: none" in text
+    assert "CPU bfloat16 instructions: unknown" in text
+    assert "Recommended policy: float32" in text
+
+
+def test_collect_environment_sees_this_machine():
+    environment = doctor.collect_environment()
+    assert environment.backend == "tensorflow"
+    assert environment.backend_version.startswith("2.")
+    assert environment.tpus == 0
