@@ -222,6 +222,16 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
         return self._rule
 
     @property
+    def max_consecutive_skips(self) -> Optional[int]:
+        """Skipped steps in a row that count as persistent (None: no check)."""
+        return self._max_consecutive_skips
+
+    @property
+    def on_persistent_skips(self) -> str:
+        """`"warn"` or `"raise"`: what persistent skips do."""
+        return self._on_persistent_skips
+
+    @property
     def loss_scale(self):
         """The current loss scale, a float32 scalar tensor."""
         return read_value(self.dynamic_scale)

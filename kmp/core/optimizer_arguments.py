@@ -30,8 +30,9 @@ class ArgumentTypeError(TypeError, ValueError):
     answers with `ValueError` and Python's convention with `TypeError`:
     either catches it.
 
+    >>> import kmp
     >>> try:
-    ...     LossScaleOptimizer(keras.optimizers.SGD(), initial_scale="8")
+    ...     kmp.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale="8")
     ... except ValueError as error:
     ...     print(type(error).__name__, isinstance(error, TypeError))
     ArgumentTypeError True

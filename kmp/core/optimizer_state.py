@@ -179,12 +179,26 @@ class StateMixin:
         Python cannot raise inside the step: `kmp.callbacks.LossScaleMonitor`
         calls it after every batch of `fit`; call it in a custom loop.
 
+        On JAX it first waits for the host callbacks of the steps run so
+        far (which record what a jitted step found); inside `fit`, where
+        Keras's JAX trainer holds the variables' values, that record is all
+        it reads.
+
         Raises:
             FloatingPointError: with `on_persistent_skips="raise"`.
         """
+        if backend.is_jax():
+            import jax
+
+            jax.effects_barrier()
         pending = self.__dict__.pop("_pending_persistent_skips", None)
         if pending is not None:
             raise pending
+        if any(
+            getattr(v, "_value", True) is None
+            for v in (self.consecutive_skips_variable, self.dynamic_scale)
+        ):
+            return  # Held by Keras's JAX trainer: the callbacks report.
         self.report_persistent_skips_now()
 
     # --- Saving and restoring -----------------------------------------------
@@ -209,6 +223,13 @@ class StateMixin:
             )
             return
         values = [np.asarray(store[str(i)]) for i in range(len(variables))]
+        for variable, value in zip(variables, values):
+            if tuple(value.shape) != tuple(variable.shape):
+                raise ValueError(
+                    f"The .keras file has a value of shape {value.shape} for "
+                    f"the optimizer variable '{variable.path}' of shape "
+                    f"{tuple(variable.shape)}. Nothing was restored."
+                )
         by_variable = {id(v): value for v, value in zip(variables, values)}
         self.check_restored_state(
             {
@@ -240,6 +261,14 @@ class StateMixin:
             source: Where they come from, for the message.
         """
         where = f"The loss-scale state restored from {source}"
+        for name, value in values.items():
+            value = np.asarray(value)
+            if value.shape != () or value.dtype.kind not in "biuf":
+                raise ValueError(
+                    f"{where} has {name}={_plain(value)!r} ({value.dtype}, "
+                    f"shape {value.shape}); it must be a single number. "
+                    "Nothing was restored."
+                )
         if "scale" in values:
             scale = float(values["scale"])
             if self._dynamic:
@@ -283,7 +312,8 @@ class StateMixin:
                 or (high is not None and number > high)
             ):
                 raise ValueError(
-                    f"{where} has {name}={value!r}; it must be {allowed}. "
+                    f"{where} has {name}={_plain(value)!r}; it must be "
+                    f"{allowed}. "
                     "Nothing was restored."
                 )
 
@@ -291,9 +321,8 @@ class StateMixin:
         # In a tf.train.Checkpoint this optimizer looks like its inner one
         # plus the loss-scale state, so checkpoints carry over between a
         # plain and a loss-scale optimizer, both ways.
-        children = dict(
-            self._inner_optimizer._trackable_children(save_type, **kwargs)
-        )
+        # TensorFlow restores the check (Python state) before any tensor.
+        children = {}
         if backend.is_tensorflow():
             from kmp.core import tf_checkpoint
 
@@ -302,7 +331,21 @@ class StateMixin:
                 state = tf_checkpoint.LossScaleState(self)
                 object.__setattr__(self, "_checkpoint_state", state)
             children["loss_scale_state"] = state
+            check = self.__dict__.get("_checkpoint_check")
+            if check is None:
+                check = tf_checkpoint.LossScaleCheck(self)
+                object.__setattr__(self, "_checkpoint_check", check)
+            children["loss_scale_check"] = check
+        children.update(
+            self._inner_optimizer._trackable_children(save_type, **kwargs)
+        )
         return children
+
+
+def _plain(value):
+    """A restored NumPy value as a Python number, for messages."""
+    value = np.asarray(value)
+    return value.item() if value.size == 1 else value.tolist()
 
 
 def _name_scope(optimizer):

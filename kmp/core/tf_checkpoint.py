@@ -1,12 +1,22 @@
 """The loss-scale state in a `tf.train.Checkpoint`, checked when restored.
 
-One trackable holds the scale and the counters, so a restore checks them
-all (`StateMixin.check_restored_state`) before it assigns any: a checkpoint
-whose scale is NaN, below the floor, or a dynamic scale restored into a
-fixed optimizer raises `ValueError`, and the optimizer stays as it was.
+`LossScaleState` holds the scale and the counters as tensors. A restore
+checks them all (`StateMixin.check_restored_state`) before it assigns any:
+a checkpoint whose scale is NaN, below the floor, or a dynamic scale
+restored into a fixed optimizer raises `ValueError`.
+
+`LossScaleCheck` saves the same values once more as Python state, which
+TensorFlow restores before any tensor of the checkpoint: a bad state is
+refused before the model or the optimizer changes at all. (A checkpoint
+without it, written by kmp 0.1, is checked by `LossScaleState` alone,
+after TensorFlow may have restored other objects.)
 """
 
+import json
+
+import numpy as np
 from tensorflow.python.trackable import base as trackable_base
+from tensorflow.python.trackable import python_state
 
 from kmp.core import backend
 
@@ -45,3 +55,32 @@ class LossScaleState(trackable_base.Trackable):
                 for name, tensor in known.items()
             ]
         )
+
+
+class LossScaleCheck(python_state.PythonState):
+    """The loss-scale state as JSON, checked before anything is restored."""
+
+    def __init__(self, optimizer):
+        self._optimizer = optimizer
+
+    def serialize(self):
+        return json.dumps(
+            {
+                name: np.asarray(variable.numpy()).item()
+                for name, variable in self._optimizer.state_variables().items()
+            }
+        )
+
+    def deserialize(self, string_value):
+        try:
+            values = json.loads(string_value)
+            if not isinstance(values, dict):
+                raise ValueError(values)
+        except ValueError:
+            raise ValueError(
+                "The checkpoint's loss-scale check is not a JSON object of "
+                f"the state: {string_value[:80]!r}. Nothing was restored."
+            ) from None
+        known = set(self._optimizer.state_variables())
+        restored = {n: np.asarray(v) for n, v in values.items() if n in known}
+        self._optimizer.check_restored_state(restored, "the checkpoint")

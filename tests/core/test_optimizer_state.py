@@ -17,10 +17,10 @@ import zipfile
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import kmp
 from kmp import LossScaleOptimizer
+from tests.support import backends
 from tests.support import training
 from tests.support.training import INF
 from tests.support.training import X_FINITE
@@ -129,7 +129,7 @@ def test_get_config_keeps_the_settings_not_at_their_default():
     assert restored.rule == original.rule
 
 
-# --- tf.train.Checkpoint and model.save ---------------------------------------
+# --- tf.train.Checkpoint (TensorFlow) and model.save --------------------------
 
 
 def _trained_harness(how):
@@ -143,7 +143,9 @@ def _trained_harness(how):
     return harness
 
 
+@pytest.mark.tensorflow
 def test_checkpoint_saves_and_restores_the_scale_and_slots(tmp_path):
+    tf = backends.tensorflow()
     trained = _trained_harness("loop_tf_function")
     checkpoint = tf.train.Checkpoint(
         model=trained.model, optimizer=trained.optimizer
@@ -209,19 +211,28 @@ def test_from_config_needs_a_config_with_the_inner_optimizer(config):
         LossScaleOptimizer.from_config(config)
 
 
+@pytest.mark.tensorflow
 def test_checkpoint_holds_the_inner_optimizer_and_the_loss_scale_state():
     optimizer = LossScaleOptimizer(keras.optimizers.Adam(0.01))
     optimizer.build([keras.Variable([1.0])])
     children = optimizer._trackable_children()
     inner = optimizer.inner_optimizer._trackable_children()
-    assert set(children) == set(inner) | {"loss_scale_state"}
-    state = children["loss_scale_state"]._serialize_to_tensors()
-    assert set(state) == {
+    assert set(children) == set(inner) | {
+        "loss_scale_state",
+        "loss_scale_check",
+    }
+    names = {
         "scale",
         "counter",
         "skipped_steps",
         "consecutive_skips",
         "hysteresis_left",
+    }
+    state = children["loss_scale_state"]._serialize_to_tensors()
+    assert set(state) == names
+    check = json.loads(children["loss_scale_check"].serialize())
+    assert check == {
+        name: np.asarray(state[name]).item() for name in sorted(names)
     }
 
 
@@ -237,6 +248,7 @@ def _saved_checkpoint(tmp_path, **state):
     variables = optimizer.state_variables()
     for name, value in state.items():
         variables[name].assign(value)
+    tf = backends.tensorflow()
     return tf.train.Checkpoint(optimizer=optimizer).write(
         str(tmp_path / "ckpt")
     )
@@ -263,9 +275,11 @@ def _saved_checkpoint(tmp_path, **state):
         "zero_hysteresis",
     ],
 )
+@pytest.mark.tensorflow
 def test_checkpoint_with_a_bad_state_raises_and_restores_nothing(
     tmp_path, state, fragment
 ):
+    tf = backends.tensorflow()
     path = _saved_checkpoint(tmp_path, **state)
     fresh = LossScaleOptimizer(
         keras.optimizers.SGD(0.1), initial_scale=8, dynamic_growth_steps=4
@@ -278,7 +292,9 @@ def test_checkpoint_with_a_bad_state_raises_and_restores_nothing(
     training.assert_weights_equal(training.values(fresh.variables), before)
 
 
+@pytest.mark.tensorflow
 def test_dynamic_checkpoint_into_a_fixed_optimizer_is_refused(tmp_path):
+    tf = backends.tensorflow()
     path = _saved_checkpoint(tmp_path, scale=4.0)
     fixed = LossScaleOptimizer(
         keras.optimizers.SGD(0.1), dynamic=False, initial_scale=8
