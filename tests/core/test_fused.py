@@ -6,14 +6,21 @@ cannot (amsgrad, sparse gradients, tf.distribute), and be interchangeable
 with Adam in configs, saved models and checkpoints.
 """
 
-import os
-
-import keras
-import numpy as np
 import pytest
-import tensorflow as tf
 
-import kmp
+from tests.support import backends
+
+# TensorFlow only: skipped, before anything imports it, elsewhere.
+backends.require("tensorflow")
+pytestmark = pytest.mark.tensorflow
+
+import os  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import kmp  # noqa: E402
 
 MODES = ["eager", "tf_function", "jit"]
 _RNG = np.random.default_rng(0)

@@ -9,6 +9,7 @@ import pytest
 
 from kmp.core import hardware
 from kmp.core.hardware import Gpu
+from tests.support import backends
 
 X86_CPUINFO = """processor\t: 0
 vendor_id\t: GenuineIntel
@@ -95,6 +96,7 @@ def test_recommend_policy(gpus, tpus, flags, policy, reason):
     assert reason in why
 
 
+@pytest.mark.tensorflow
 def test_list_gpus_reads_device_details(monkeypatch):
     devices = ["gpu0", "gpu1"]
     details = {
@@ -113,6 +115,47 @@ def test_list_gpus_reads_device_details(monkeypatch):
     assert hardware.list_gpus() == [
         Gpu("NVIDIA T4", (7, 5)),
         Gpu("GPU 1", None),
+    ]
+
+
+@pytest.mark.jax
+def test_list_gpus_reads_jax_devices(monkeypatch):
+    import jax
+
+    class Device:
+        def __init__(self, platform, kind, capability=None):
+            self.platform = platform
+            self.device_kind = kind
+            if capability is not None:
+                self.compute_capability = capability
+
+    devices = [
+        Device("cpu", "cpu"),
+        Device("gpu", "NVIDIA T4", "7.5"),
+        Device("gpu", "GPU 1"),
+    ]
+    monkeypatch.setattr(jax, "devices", lambda: devices)
+    assert hardware.list_gpus() == [
+        Gpu("NVIDIA T4", (7, 5)),
+        Gpu("GPU 1", None),
+    ]
+
+
+@pytest.mark.torch
+def test_list_gpus_reads_torch_cuda_devices(monkeypatch):
+    import torch
+
+    names = ["Tesla P100", "NVIDIA A100"]
+    capabilities = [(6, 0), (8, 0)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", names.__getitem__)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_capability", capabilities.__getitem__
+    )
+    assert hardware.list_gpus() == [
+        Gpu("Tesla P100", (6, 0)),
+        Gpu("NVIDIA A100", (8, 0)),
     ]
 
 
@@ -137,9 +180,12 @@ def test_float16_warning_is_logged_once_per_process(fake_machine, caplog):
     assert "'float16') will be slow here" in record.getMessage()
     assert "no GPU" in record.getMessage()
     assert "Use 'mixed_bfloat16' instead" in record.getMessage()
-    assert "{'remapping': False}" in record.getMessage()
+    # The fix for TensorFlow's slow fused kernel, on TensorFlow only.
+    tensorflow_fix = "{'remapping': False}" in record.getMessage()
+    assert tensorflow_fix == backends.TENSORFLOW
 
 
+@pytest.mark.tensorflow
 def test_float16_warning_on_a_cpu_with_float16_instructions(
     fake_machine, caplog
 ):

@@ -7,9 +7,9 @@ it down with kmp's policies (`kmp.Policy`, `kmp.set_global_policy`).
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import kmp
+from tests.support import backends
 
 MIXED_POLICIES = {
     "mixed_float16": "float16",
@@ -53,10 +53,33 @@ class Scale(keras.layers.Layer):
 def _call(layer, inputs, mode):
     if mode == "eager":
         return layer(inputs)
+    tf = backends.tensorflow()
     return tf.function(layer, jit_compile=mode == "jit")(inputs)
 
 
-MODES = ["eager", "tf_function"]
+# A layer's call is stateful Python: traced by tf.function on TensorFlow.
+MODES = backends.modes("eager", "tf_function")
+# Strings are tensors on TensorFlow only; elsewhere they stay NumPy arrays.
+STRINGS = backends.TENSORFLOW
+
+
+def _tensor(value, dtype):
+    if dtype == "string":
+        return backends.tensorflow().constant(value)
+    return backends.tensor(value, dtype)
+
+
+def _tensor_inputs(inputs):
+    """`inputs` with each (value, dtype) made a backend tensor when called."""
+    return {
+        f"tensor_{dtype}": (
+            lambda value=value, dtype=dtype: _tensor(value, dtype),
+            *rest,
+        )
+        for dtype, (value, *rest) in inputs.items()
+        if (dtype != "string" or STRINGS)
+        and (dtype != "float64" or backends.HAS_FLOAT64)
+    }
 
 
 # --- Inputs and outputs ------------------------------------------------------
@@ -64,8 +87,15 @@ MODES = ["eager", "tf_function"]
 FLOAT_INPUTS = {
     "numpy_float32": lambda: np.ones((2, 3), "float32"),
     "numpy_float64": lambda: np.ones((2, 3), "float64"),
-    "tensor_float32": lambda: tf.ones((2, 3), tf.float32),
-    "tensor_float64": lambda: tf.ones((2, 3), tf.float64),
+    **{
+        name: make
+        for name, (make,) in _tensor_inputs(
+            {
+                "float32": (np.ones((2, 3)),),
+                "float64": (np.ones((2, 3)),),
+            }
+        ).items()
+    },
 }
 
 
@@ -88,11 +118,14 @@ OTHER_INPUTS = {
     "numpy_int32": (lambda: np.arange(3, dtype="int32"), "int32"),
     "numpy_int64": (lambda: np.arange(3, dtype="int64"), "int64"),
     "numpy_bool": (lambda: np.array([True, False]), "bool"),
-    "numpy_string": (lambda: np.array(["a", "b"]), "string"),
-    "tensor_int8": (lambda: tf.constant([1, 2], tf.int8), "int8"),
-    "tensor_int32": (lambda: tf.constant([1, 2], tf.int32), "int32"),
-    "tensor_bool": (lambda: tf.constant([True]), "bool"),
-    "tensor_string": (lambda: tf.constant(["a", "b"]), "string"),
+    **_tensor_inputs(
+        {
+            "int8": ([1, 2], "int8"),
+            "int32": ([1, 2], "int32"),
+            "bool": ([True], "bool"),
+            "string": (["a", "b"], "string"),
+        }
+    ),
 }
 
 
@@ -107,20 +140,25 @@ def test_non_floating_inputs_are_left_alone(
 ):
     inputs = make_inputs()
     received = _call(Echo(), inputs, mode)
+    if expected == "string" and not STRINGS:
+        assert received is inputs  # A NumPy array of str, left alone.
+        return
+    if expected == "int64" and not backends.HAS_FLOAT64:
+        expected = "int32"  # JAX has no 64-bit types without x64.
     assert _dtype(received) == expected
-    values = np.asarray(inputs)
+    values = keras.ops.convert_to_numpy(inputs)
     if expected == "string":
         values = values.astype(bytes)  # TensorFlow strings read as bytes.
-    np.testing.assert_array_equal(np.asarray(received), values)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(received), values)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_list_inputs_are_cast_leaf_by_leaf(mixed_policy, mode):
     inputs = [
         np.ones((2,), "float64"),
-        tf.constant([1, 2], tf.int32),
-        tf.ones((2,), tf.float32),
-        tf.constant([True, False]),
+        backends.tensor([1, 2], "int32"),
+        backends.tensor([1.0, 1.0], "float32"),
+        backends.tensor([True, False], "bool"),
     ]
     received = _call(Echo(), inputs, mode)
     assert isinstance(received, list)
@@ -135,21 +173,26 @@ def test_list_inputs_are_cast_leaf_by_leaf(mixed_policy, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_dict_inputs_are_cast_leaf_by_leaf(mixed_policy, mode):
     inputs = {
-        "features": tf.ones((2,), tf.float64),
+        "features": backends.tensor([1.0, 1.0], "float32"),
         "ids": np.array([3, 4], "int64"),
         "nested": {
-            "mask": tf.constant([True, False]),
-            "weights": [np.ones((2,), "float32"), tf.constant(["x", "y"])],
+            "mask": backends.tensor([True, False], "bool"),
+            "weights": [np.ones((2,), "float64")],
         },
     }
+    if STRINGS:  # Keras converts nested NumPy strings only on TensorFlow.
+        inputs["nested"]["weights"].append(_tensor(["x", "y"], "string"))
     received = _call(Echo(), inputs, mode)
     assert set(received) == {"features", "ids", "nested"}
     assert _dtype(received["features"]) == mixed_policy
-    assert _dtype(received["ids"]) == "int64"
+    # JAX has no 64-bit types without x64.
+    ids_dtype = "int64" if backends.HAS_FLOAT64 else "int32"
+    assert _dtype(received["ids"]) == ids_dtype
     assert _dtype(received["nested"]["mask"]) == "bool"
-    weights, strings = received["nested"]["weights"]
-    assert _dtype(weights) == mixed_policy
-    assert _dtype(strings) == "string"
+    weights = received["nested"]["weights"]
+    assert _dtype(weights[0]) == mixed_policy
+    if STRINGS:
+        assert _dtype(weights[1]) == "string"
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -203,25 +246,30 @@ def test_variables_read_as_compute_dtype_inside_call(mixed_policy, mode):
 def test_gradients_are_in_variable_dtype(mixed_policy, mode):
     layer = keras.layers.Dense(3)
     layer.build((2, 4))
-    inputs = tf.ones((2, 4))
+    inputs = backends.tensor(np.ones((2, 4)))
 
     def gradients(x):
-        with tf.GradientTape() as tape:
-            outputs = layer(x)
-            loss = tf.reduce_sum(tf.cast(outputs, tf.float32))
-        return outputs, tape.gradient(loss, layer.trainable_variables)
+        outputs = []
+
+        def loss():
+            outputs.append(layer(x))
+            return keras.ops.sum(keras.ops.cast(outputs[-1], "float32"))
+
+        grads = backends.gradients(loss, layer.trainable_variables)
+        return _dtype(outputs[-1]), grads
 
     if mode == "tf_function":
-        gradients = tf.function(gradients)
-    outputs, grads = gradients(inputs)
-    assert _dtype(outputs) == mixed_policy
+        gradients = backends.tensorflow().function(gradients)
+    outputs_dtype, grads = gradients(inputs)
+    assert outputs_dtype == mixed_policy
     assert len(grads) == 2
     for grad in grads:
         assert grad is not None
-        assert grad.dtype == tf.float32
+        assert _dtype(grad) == "float32"
     # d(sum(x @ kernel + bias)) / d kernel is the column sum of x.
-    np.testing.assert_allclose(grads[0].numpy(), np.full((4, 3), 2.0))
-    np.testing.assert_allclose(grads[1].numpy(), np.full((3,), 2.0))
+    grads = [keras.ops.convert_to_numpy(g) for g in grads]
+    np.testing.assert_allclose(grads[0], np.full((4, 3), 2.0))
+    np.testing.assert_allclose(grads[1], np.full((3,), 2.0))
 
 
 # --- Per-layer override ------------------------------------------------------

@@ -8,13 +8,13 @@ pseudo-code in the module docstring.
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
 from kmp.core import loss_scale
 from kmp.core.loss_scale import ScaleRule
+from tests.support import backends
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -87,31 +87,41 @@ def test_constants():
 def test_returns_float32_and_int32_scalars_for_python_numbers():
     rule = ScaleRule(growth_steps=2)
     scale, counter, left = rule.next((8.0, 0, 1), True)
-    assert scale.dtype == tf.float32 and scale.shape == ()
-    assert counter.dtype == tf.int32 and counter.shape == ()
-    assert left.dtype == tf.int32 and left.shape == ()
+    assert backends.dtype(scale) == "float32" and tuple(scale.shape) == ()
+    assert backends.dtype(counter) == "int32" and tuple(counter.shape) == ()
+    assert backends.dtype(left) == "int32" and tuple(left.shape) == ()
 
 
+def _tf_variable(value, dtype):
+    return backends.tensorflow().Variable(value, dtype=dtype)
+
+
+# JAX has no int64 without x64.
+COUNTER_DTYPES = ["int32", "int64"] if backends.HAS_FLOAT64 else ["int32"]
+
+
+def _keras_variable(value, dtype):
+    # A keras.Variable of an int dtype on torch must not be trainable.
+    return keras.Variable(value, dtype=dtype, trainable=False)
+
+
+@pytest.mark.parametrize("dtype", COUNTER_DTYPES)
 @pytest.mark.parametrize(
     "make_counter",
     [
-        pytest.param(
-            lambda: tf.constant(1, tf.int64),
-        ),
-        pytest.param(
-            lambda: tf.Variable(1, dtype=tf.int64),
-        ),
-        lambda: keras.Variable(1, dtype="int64"),
+        backends.tensor,
+        _keras_variable,
+        pytest.param(_tf_variable, marks=pytest.mark.tensorflow),
     ],
-    ids=["tf_tensor", "tf_variable", "keras_variable"],
+    ids=["tensor", "keras_variable", "tf_variable"],
 )
-def test_returns_integer_scalars_of_the_counters_dtype(make_counter):
+def test_returns_integer_scalars_of_the_counters_dtype(make_counter, dtype):
     # The old rule always returned int64; the new one keeps the counter's.
     scale, counter, left = ScaleRule(growth_steps=3).next(
-        (8.0, make_counter(), 1), True
+        (8.0, make_counter(1, dtype), 1), True
     )
-    assert scale.dtype == tf.float32
-    assert counter.dtype == left.dtype == tf.int64
+    assert backends.dtype(scale) == "float32"
+    assert backends.dtype(counter) == backends.dtype(left) == dtype
     assert (int(counter), int(left)) == (2, 1)
 
 
@@ -180,11 +190,11 @@ def test_growth_from_float32_max_stays_finite():
 
 
 def test_accepts_tensors_and_variables():
-    scale = tf.Variable(8.0)
-    counter = tf.Variable(1, dtype=tf.int64)
-    left = tf.Variable(1, dtype=tf.int64)
+    scale = keras.Variable(8.0, trainable=False)
+    counter = keras.Variable(1, dtype="int32", trainable=False)
+    left = backends.tensor(1, "int32")
     new_scale, new_counter, new_left = ScaleRule(growth_steps=2).next(
-        (scale, counter, left), tf.constant(True)
+        (scale, counter, left), backends.tensor(True, "bool")
     )
     assert (float(new_scale), int(new_counter), int(new_left)) == (16.0, 0, 1)
 
@@ -331,20 +341,18 @@ def test_matches_pseudo_code_with_every_setting(
         assert 1 <= int(left) <= hysteresis, f"step {step}"
 
 
-@pytest.mark.parametrize(
-    "variable",
-    [
-        pytest.param(
-            tf.Variable,
-        ),
-        keras.Variable,
-    ],
-    ids=["tf_variables", "keras_variables"],
-)
+_WALK = [True, True, False, False, False, True]
+_WALK_STATES = [(4.0, 1), (8.0, 0), (4.0, 0), (2.0, 0), (1.0, 0), (1.0, 1)]
+
+
+@pytest.mark.tensorflow
+@pytest.mark.parametrize("variable", ["tf", "keras"])
 @pytest.mark.parametrize(
     "jit_compile", [False, True], ids=["tf_function", "jit"]
 )
 def test_runs_inside_tf_function(jit_compile, variable):
+    tf = backends.tensorflow()
+    variable = tf.Variable if variable == "tf" else keras.Variable
     scale = variable(4.0)
     counter = variable(0, dtype="int64")
     left = variable(1, dtype="int64")
@@ -360,16 +368,31 @@ def test_runs_inside_tf_function(jit_compile, variable):
         left.assign(new_left)
 
     states = []
-    for finite in [True, True, False, False, False, True]:
+    for finite in _WALK:
         update(tf.constant(finite))
         states.append((float(np.array(scale)), int(np.array(counter))))
-    assert states == [
-        (4.0, 1),
-        (8.0, 0),
-        (4.0, 0),
-        (2.0, 0),
-        (1.0, 0),
-        (1.0, 1),
-    ]
+    assert states == _WALK_STATES
     # One trace serves every step: no Python control flow on the values.
     assert update.experimental_get_tracing_count() == 1
+
+
+@pytest.mark.jax
+def test_runs_inside_jax_jit():
+    import jax
+
+    rule = ScaleRule(growth_steps=2)
+    traces = []
+
+    @jax.jit
+    def update(state, finite):
+        traces.append(1)
+        return rule.next(state, finite)
+
+    state = rule.initial_state(4.0)
+    states = []
+    for finite in _WALK:
+        state = update(state, backends.tensor(finite, "bool"))
+        states.append((float(state[0]), int(state[1])))
+    assert states == _WALK_STATES
+    # One trace serves every step: no Python control flow on the values.
+    assert len(traces) == 1

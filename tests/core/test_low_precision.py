@@ -8,15 +8,19 @@ variables), then loss scaling, saving and resuming, distribution, and errors.
 
 import os
 
-import keras
-import ml_dtypes
-import numpy as np
-import pytest
-import tensorflow as tf
+from tests.support import backends
 
-import kmp
-from kmp.core.low_precision import LowPrecisionOptimizer
-from kmp.core.rounding import stochastic_round
+backends.require("tensorflow")
+
+import keras  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import kmp  # noqa: E402
+from kmp.core.low_precision import LowPrecisionOptimizer  # noqa: E402
+from kmp.core.rounding import stochastic_round  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 MODES = ["eager", "tf_function", "jit"]

@@ -10,7 +10,6 @@ optimizer reports, and the fuzzing of the constructor and of
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from hypothesis import example
 from hypothesis import given
 from hypothesis import strategies as st
@@ -18,6 +17,7 @@ from hypothesis import strategies as st
 import kmp
 from kmp import LossScaleOptimizer
 from kmp.core.optimizer_arguments import ArgumentTypeError
+from tests.support import backends
 from tests.support.fuzzing import FUZZ
 from tests.support.fuzzing import call_expecting_clean_error
 from tests.support.fuzzing import junk
@@ -310,7 +310,7 @@ def test_loss_scale_optimizer_rejects_bad_arguments(argument, value):
         # Accepted at construction means usable: one real step must work.
         optimizer = kmp.LossScaleOptimizer(inner, **kwargs)
         variable = keras.Variable([1.0])
-        optimizer.apply_gradients([(tf.constant([1.0]), variable)])
+        optimizer.apply_gradients([(backends.tensor([1.0]), variable)])
         assert int(np.array(optimizer.iterations)) == 1
         return
     error = call_expecting_clean_error(

@@ -6,7 +6,9 @@ chosen steps (`GradientFaults`), and float16 activations pushed past 65504
 slot and `iterations` exactly as they were; the scale halves; training goes on
 and the loss comes down. A hypothesis test drives the real optimizer through
 random finite / non-finite sequences against a plain-Python model of the
-scale rule.
+scale rule, on every backend; the fault tools are TensorFlow's (skipped
+steps in `fit` and custom loops on JAX and torch: test_jax.py,
+test_torch.py).
 """
 
 import math
@@ -14,15 +16,19 @@ import math
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
 import kmp
-from kmp.testing import GradientFaults
-from kmp.testing import OverflowAt
+from tests.support import backends
 from tests.support import reliability as rel
+
+if backends.TENSORFLOW:
+    import tensorflow as tf
+
+    from kmp.testing import GradientFaults
+    from kmp.testing import OverflowAt
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -82,6 +88,7 @@ def _custom_loop(model, optimizer, mode, faults):
     return tf.function(step, jit_compile=mode == "jit")
 
 
+@pytest.mark.tensorflow
 @pytest.mark.parametrize("mode", ["eager", "tf_function", "jit"])
 @pytest.mark.parametrize("kind", ["inf", "nan"])
 def test_custom_loop_gradient_faults_are_skipped_bit_for_bit(mode, kind):
@@ -105,6 +112,7 @@ def test_custom_loop_gradient_faults_are_skipped_bit_for_bit(mode, kind):
     assert int(np.array(optimizer.iterations)) == 3
 
 
+@pytest.mark.tensorflow
 @pytest.mark.parametrize("kind", ["inf", "nan"])
 def test_custom_loop_recovers_after_faults(kind):
     kmp.set_global_policy("mixed_float16")
@@ -139,6 +147,7 @@ class _Record(keras.callbacks.Callback):
         self.states.append(rel.snapshot(self.model, self.model.optimizer))
 
 
+@pytest.mark.tensorflow
 @pytest.mark.parametrize("kind", ["inf", "nan"])
 def test_fit_gradient_faults_are_skipped_then_training_recovers(kind):
     kmp.set_global_policy("mixed_float16")
@@ -168,6 +177,7 @@ def test_fit_gradient_faults_are_skipped_then_training_recovers(kind):
 # --- Forward-pass overflow ----------------------------------------------------
 
 
+@pytest.mark.tensorflow
 def test_fit_forward_overflow_in_float16_is_a_skipped_step():
     kmp.set_global_policy("mixed_float16")
     x, y = rel.make_data()
@@ -185,6 +195,7 @@ def test_fit_forward_overflow_in_float16_is_a_skipped_step():
     assert all(np.isfinite(np.array(w)).all() for w in model.weights)
 
 
+@pytest.mark.tensorflow
 @pytest.mark.parametrize("mode", ["eager", "tf_function"])
 def test_custom_loop_forward_overflow_in_float16_is_a_skipped_step(mode):
     kmp.set_global_policy("mixed_float16")
@@ -242,23 +253,44 @@ def _eager_optimizer(initial_scale, growth_steps):
     variable, optimizer = _fresh_optimizer(initial_scale, growth_steps)
 
     def step(gradient):
-        optimizer.apply_gradients([(tf.constant(gradient), variable)])
+        optimizer.apply_gradients([(backends.tensor(gradient), variable)])
 
     return variable, optimizer, step
 
 
+def _compiled_step(optimizer, variable):
+    """One step `step(gradient)` that the backend compiles once."""
+    if backends.TENSORFLOW:
+        return tf.function(
+            lambda g: optimizer.apply_gradients([(g, variable)]),
+            input_signature=[tf.TensorSpec([2], tf.float32)],
+        )
+    import jax
+
+    jitted = jax.jit(optimizer.stateless_apply)
+
+    def step(gradient):
+        new_values, optimizer_values = jitted(
+            [v.value for v in optimizer.variables],
+            [gradient],
+            [variable.value],
+        )
+        variable.assign(new_values[0])
+        for state, value in zip(optimizer.variables, optimizer_values):
+            state.assign(value)
+
+    return step
+
+
 def _compiled_optimizer(initial_scale, growth_steps):
-    """One traced tf.function per growth_steps, reused across examples.
+    """One compiled step per growth_steps, reused across examples.
 
     The optimizer is reset through its public `variables` to the state a
     new one with `initial_scale` would have.
     """
     if growth_steps not in _compiled_steps:
         variable, optimizer = _fresh_optimizer(1.0, growth_steps)
-        step = tf.function(
-            lambda g: optimizer.apply_gradients([(g, variable)]),
-            input_signature=[tf.TensorSpec([2], tf.float32)],
-        )
+        step = _compiled_step(optimizer, variable)
         _compiled_steps[growth_steps] = variable, optimizer, step
     variable, optimizer, step = _compiled_steps[growth_steps]
     variable.assign(_START)
@@ -267,15 +299,21 @@ def _compiled_optimizer(initial_scale, growth_steps):
             state.assign(initial_scale)
         elif state.path.endswith("hysteresis_left"):
             state.assign(1)  # The rule's hysteresis, 1 by default.
-        elif state.dtype == "int64":
+        elif state.dtype.startswith("int"):
             state.assign(0)  # Counters and iterations.
-    return variable, optimizer, lambda g: step(tf.constant(g))
+    return variable, optimizer, lambda g: step(backends.tensor(g))
 
 
 @pytest.mark.parametrize(
     "make",
-    [_eager_optimizer, _compiled_optimizer],
-    ids=["eager", "tf_function"],
+    [
+        pytest.param(_eager_optimizer, id="eager"),
+        pytest.param(
+            _compiled_optimizer,
+            id="compiled",  # tf.function; jax.jit over stateless_apply.
+            marks=[pytest.mark.tensorflow, pytest.mark.jax],
+        ),
+    ],
 )
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(

@@ -3,8 +3,8 @@
 Under mixed_float16, with an explicit kmp.LossScaleOptimizer (a scale that
 starts too high, so steps are skipped and the scale moves) and with the one
 `model.compile("adam")` creates by itself: training interrupted and resumed
-through keras.callbacks.BackupAndRestore, tf.train.Checkpoint, or
-model.save / keras.saving.load_model ends in exactly the state of an
+through keras.callbacks.BackupAndRestore, tf.train.Checkpoint (TensorFlow),
+or model.save / keras.saving.load_model ends in exactly the state of an
 uninterrupted run: weights, inner-optimizer slots, iterations, scale,
 counter and skip counts. Also: what happens when a checkpoint written with a
 plain optimizer is loaded into a loss-scale one, and the reverse.
@@ -15,9 +15,9 @@ import warnings
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import kmp
+from tests.support import backends
 from tests.support import reliability as rel
 
 EPOCHS = 4
@@ -149,8 +149,10 @@ def test_backup_and_restore_resumes_bit_identically(kind, tmp_path):
     _assert_resumed_like_reference(resumed, kind, through_keras_file=True)
 
 
+@pytest.mark.tensorflow
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
 def test_tf_train_checkpoint_resumes_bit_identically(kind, tmp_path):
+    tf = backends.tensorflow()
     model = _build(kind)
     _fit(model, 2)
     path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
@@ -205,6 +207,7 @@ def _plain_part(optimizer):
     return optimizer
 
 
+@pytest.mark.tensorflow
 @pytest.mark.parametrize("source, target", [("plain", "kmp"), ("kmp", "plain")])
 def test_tf_checkpoint_carries_over_between_optimizer_kinds(
     source, target, tmp_path
@@ -214,6 +217,7 @@ def test_tf_checkpoint_carries_over_between_optimizer_kinds(
     other: iterations and slots come back; a plain checkpoint leaves kmp's
     scale at its initial value, and kmp's scale is left out of a plain
     optimizer (TensorFlow names it among the unused values)."""
+    tf = backends.tensorflow()
     model = _build_plain_or_kmp(source)
     _fit(model, 1)
     path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(

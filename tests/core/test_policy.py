@@ -12,12 +12,12 @@ import threading
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from hypothesis import given
 from hypothesis import strategies as st
 
 import kmp
 from kmp.core.policy import POLICY_NAMES
+from tests.support import backends
 from tests.support.fuzzing import FUZZ
 from tests.support.fuzzing import call_expecting_clean_error
 from tests.support.fuzzing import junk
@@ -48,7 +48,7 @@ KERAS_ACCEPTED_NAMES = ("int32", "uint8", "bool", "float8_e4m3fn")
 NON_STRING_NAMES = {
     "int": 16,
     "bytes": b"float16",
-    "tf_dtype": tf.float16,
+    "backend_dtype": backends.native_dtype("float16"),
     "numpy_dtype": np.dtype("float16"),
     "list": ["float16"],
 }

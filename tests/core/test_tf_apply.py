@@ -6,16 +6,23 @@ step was not finite; otherwise the whole update runs inside a cond. Both must
 give exactly what the inner optimizer alone gives, and skip exactly.
 """
 
-import keras
-import numpy as np
 import pytest
-import tensorflow as tf
 
-import kmp
-from kmp import LossScaleOptimizer
-from kmp.core import tf_apply
-from tests.support.training import INF
-from tests.support.training import NAN
+from tests.support import backends
+
+# TensorFlow only: skipped, before anything imports it, elsewhere.
+backends.require("tensorflow")
+pytestmark = pytest.mark.tensorflow
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import kmp  # noqa: E402
+from kmp import LossScaleOptimizer  # noqa: E402
+from kmp.core import tf_apply  # noqa: E402
+from tests.support.training import INF  # noqa: E402
+from tests.support.training import NAN  # noqa: E402
 
 
 def test_skipped_update_is_restored_in_one_function_call():

@@ -7,24 +7,31 @@ spreads the inf/NaN to every replica, and the step must be skipped on all of
 them, with the scale and counter identical everywhere.
 """
 
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import textwrap
-import time
-
-import keras
-import numpy as np
 import pytest
-import tensorflow as tf
 
-import kmp
-from kmp.testing import GradientFaults
-from tests.conftest import CPU_DEVICES
-from tests.support import reliability as rel
+from tests.support import backends
+
+# TensorFlow only: skipped, before anything imports it, elsewhere.
+backends.require("tensorflow")
+pytestmark = pytest.mark.tensorflow
+
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+import time  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import kmp  # noqa: E402
+from kmp.testing import GradientFaults  # noqa: E402
+from tests.conftest import CPU_DEVICES  # noqa: E402
+from tests.support import reliability as rel  # noqa: E402
 
 # A two-replica run all-reduces two half-batch gradient sums where the single
 # device sums the whole batch at once, so the results may differ in the last

@@ -9,12 +9,19 @@ scale each step uses is the current one, in a custom loop and in `fit`, and
 that nothing on a normal step's path calls back into Python. Nothing is timed.
 """
 
-import keras
-import numpy as np
 import pytest
-import tensorflow as tf
 
-import kmp
+from tests.support import backends
+
+# TensorFlow only: skipped, before anything imports it, elsewhere.
+backends.require("tensorflow")
+pytestmark = pytest.mark.tensorflow
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import kmp  # noqa: E402
 
 _LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 _COMPILE_MODES = [

@@ -49,9 +49,11 @@ def test_every_example_is_tested():
         "gan.py",
     }
     shared = {"digits.py"}  # The data and model the examples import.
+    # Run by tests/core/test_jax.py and test_torch.py, on their backends.
+    other_backends = {"jax_custom_loop.py", "torch_custom_loop.py"}
     assert {
         path.name for path in (scripts.ROOT / FOLDER).glob("*.py")
-    } == tested | shared
+    } == tested | shared | other_backends
 
 
 @pytest.mark.parametrize("script", ["fit_bfloat16.py"])

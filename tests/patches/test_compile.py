@@ -12,6 +12,7 @@ import pytest
 
 import kmp
 from kmp import LossScaleOptimizer
+from tests.support import backends
 from tests.support import training
 from tests.support.training import BATCH_SIZE
 from tests.support.training import X_FINITE
@@ -219,7 +220,7 @@ def test_model_compiled_with_keras_names_loads_in_keras_without_kmp(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env={"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"},
+        env={"KERAS_BACKEND": backends.NAME, "TF_CPP_MIN_LOG_LEVEL": "3"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.split()[-5:]

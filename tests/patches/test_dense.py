@@ -6,13 +6,20 @@ input. The graph tests check the point of it: no gradient op reads the
 float32 copy of the low-precision input.
 """
 
-import keras
-import numpy as np
 import pytest
-import tensorflow as tf
 
-import kmp
-from kmp.patches import dense
+from tests.support import backends
+
+# TensorFlow only: skipped, before anything imports it, elsewhere.
+backends.require("tensorflow")
+pytestmark = pytest.mark.tensorflow
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import kmp  # noqa: E402
+from kmp.patches import dense  # noqa: E402
 
 
 def _is_installed():
@@ -103,7 +110,8 @@ def test_gradients_of_gradients_agree_to_rounding(policy):
     # A gradient penalty differentiates the backward pass itself. kmp's
     # backward runs the same kernels, but TensorFlow adds up the
     # second-order terms in another order, so they agree to the rounding of
-    # the compute dtype rather than bit for bit (documented in kmp.dense).
+    # the compute dtype rather than bit for bit (documented in
+    # kmp.patches.dense).
     x = _batch()
 
     def penalty_gradients(model):
@@ -381,7 +389,7 @@ def test_exported_model_serves_the_same_outputs(tmp_path):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_input_gradient_is_the_matmul_gradient_cast_to_the_input_dtype(dtype):
     # What benchmarks/memory_breakdown.py overrides (was
-    # kmp.dense._input_gradient).
+    # kmp.patches.dense._input_gradient).
     rng = np.random.default_rng(4)
     upstream = tf.constant(rng.normal(size=(16, 10)).astype("float32"))
     kernel = tf.constant(rng.normal(size=(24, 10)).astype("float32"))

@@ -4,10 +4,11 @@ thread, as in `tf.keras`, and Keras's own implicit default stays Keras's."""
 import threading
 
 import keras
-import tensorflow as tf
+import pytest
 from keras.src.backend.common import global_state as keras_global_state
 
 import kmp
+from tests.support import backends
 
 
 def _run_in_thread(function):
@@ -61,7 +62,9 @@ def test_policy_set_through_keras_in_another_thread_is_process_wide():
     assert keras.layers.Dense(2).dtype_policy.name == "mixed_float16"
 
 
+@pytest.mark.tensorflow
 def test_policy_is_seen_inside_replica_function(two_replicas):
+    tf = backends.tensorflow()
     kmp.set_global_policy("mixed_float16")
     seen = []
 

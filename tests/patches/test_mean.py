@@ -6,14 +6,21 @@ against the correctly rounded gradient, which there is not Keras's. The
 patch is off unless installed.
 """
 
-import keras
-import numpy as np
 import pytest
-import tensorflow as tf
-from keras.src.backend.tensorflow import numpy as keras_tf_numpy
 
-import kmp
-from kmp.patches import mean
+from tests.support import backends
+
+# TensorFlow only: skipped, before anything imports it, elsewhere.
+backends.require("tensorflow")
+pytestmark = pytest.mark.tensorflow
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from keras.src.backend.tensorflow import numpy as keras_tf_numpy  # noqa: E402
+
+import kmp  # noqa: E402
+from kmp.patches import mean  # noqa: E402
 
 
 def _is_installed():

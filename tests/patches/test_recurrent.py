@@ -5,16 +5,23 @@ own time loop and with the patch installed, and asserts that outputs
 and gradients are bit-identical.
 """
 
-import collections
-
-import keras
-import numpy as np
 import pytest
-import tensorflow as tf
-from keras.src.layers.rnn import rnn as keras_rnn
 
-import kmp
-from kmp.patches import recurrent
+from tests.support import backends
+
+# TensorFlow only: skipped, before anything imports it, elsewhere.
+backends.require("tensorflow")
+pytestmark = pytest.mark.tensorflow
+
+import collections  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from keras.src.layers.rnn import rnn as keras_rnn  # noqa: E402
+
+import kmp  # noqa: E402
+from kmp.patches import recurrent  # noqa: E402
 
 LAYERS = {
     "lstm": keras.layers.LSTM,

@@ -136,8 +136,26 @@ def test_keras_policy_is_per_thread_with_the_patch_off():
 def test_reloading_a_module_never_wraps_a_wrapper(module):
     if module.split(".")[-1] in TENSORFLOW_ONLY and not backend.is_tensorflow():
         pytest.skip("TensorFlow-only patch")
-    importlib.reload(importlib.import_module(module))
-    patches.install(*_expected_defaults())
+    reloaded = importlib.import_module(module)
+    saved = dict(reloaded.__dict__)
+    try:
+        importlib.reload(reloaded)
+        patches.install(*_expected_defaults())
+        _check_patches_after_reload()
+    finally:
+        # Later tests (and kmp's other modules) use the classes and
+        # functions of the first import: put them back.
+        reloaded.__dict__.clear()
+        reloaded.__dict__.update(saved)
+        patches.uninstall()
+        patches.install(*_expected_defaults())
+    with kmp.policy_scope("mixed_float16"):
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    assert isinstance(model.optimizer, kmp.LossScaleOptimizer)
+
+
+def _check_patches_after_reload():
     for _, _, function in _installed_functions():
         if hasattr(function, "__kmp_patch__"):
             assert not hasattr(function.__kmp_original__, "__kmp_patch__")

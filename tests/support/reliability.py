@@ -8,10 +8,9 @@ import hashlib
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 import kmp
-from kmp.testing import GradientFaults
+from tests.support import backends
 
 FEATURES = 3
 GLOBAL_BATCH = 8
@@ -43,13 +42,16 @@ def make_layers(hidden=4, extra=()):
 class FaultModel(keras.Sequential):
     """A Sequential model whose `train_step` corrupts gradients on schedule.
 
-    The step is the model's own `train_steps` counter (every call of
-    `train_step`, skipped or not); the rest mirrors Keras's TensorFlow
+    TensorFlow only (`kmp.testing.GradientFaults`). The step is the model's
+    own `train_steps` counter (every call of `train_step`, skipped or not);
+    the rest mirrors Keras's TensorFlow
     `train_step`: `optimizer.scale_loss`, then the still-scaled gradients go
     to `apply_gradients`, which unscales them.
     """
 
     def __init__(self, layers, faults=None, rank1_logs=False, **kwargs):
+        from kmp.testing import GradientFaults
+
         super().__init__(layers, **kwargs)
         self.faults = faults or GradientFaults({})
         self.rank1_logs = rank1_logs
@@ -62,6 +64,7 @@ class FaultModel(keras.Sequential):
         )
 
     def train_step(self, data):
+        tf = backends.tensorflow()
         x, y = data[0], data[1]
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
@@ -84,9 +87,13 @@ def make_optimizer(inner=None, **kwargs):
 
 
 def local_values(variable, strategy=None):
-    """Each replica's copy of a (Keras or tf) variable, as NumPy arrays."""
+    """Each replica's copy of a (Keras or tf) variable, as NumPy arrays.
+
+    Off TensorFlow there is one copy."""
     value = getattr(variable, "value", variable)
-    strategy = strategy or tf.distribute.get_strategy()
+    if not backends.TENSORFLOW:
+        return [keras.ops.convert_to_numpy(value)]
+    strategy = strategy or backends.tensorflow().distribute.get_strategy()
     return [np.array(v) for v in strategy.experimental_local_results(value)]
 
 
@@ -134,6 +141,49 @@ def split_changed(before, after):
             for a, b in zip(before[path], after[path])
         )
     )
+
+
+class Record(keras.callbacks.Callback):
+    """A `snapshot` of the model and its optimizer before `fit` and after
+    every batch, in `states`.
+
+    Reading `self.model` makes Keras's JAX trainer write its state back into
+    the variables first.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.states = []
+
+    def on_train_begin(self, logs=None):
+        self.states.append(snapshot(self.model, self.model.optimizer))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.states.append(snapshot(self.model, self.model.optimizer))
+
+
+def scales(states):
+    """The loss scale in each snapshot."""
+    return [
+        float(state[path][0])
+        for state in states
+        for path in state
+        if path.endswith("dynamic_scale")
+    ]
+
+
+def assert_skipped_exactly(states, bad_steps):
+    """Skipped steps change nothing but the loss-scale state, bit for bit;
+    the others change the weights, the slots and `iterations` (of an
+    optimizer with momentum)."""
+    for step in range(len(states) - 1):
+        changed = split_changed(frozen(states[step]), frozen(states[step + 1]))
+        if step in bad_steps:
+            assert changed == [], f"skipped step {step} changed {changed}"
+        else:
+            assert any(p.endswith("kernel") for p in changed), step
+            assert any(p.endswith("/iteration") for p in changed), step
+            assert any("_momentum" in p for p in changed), step
 
 
 def digest(arrays):

@@ -2,17 +2,26 @@
 
 Not a test module: a tiny float32 model with fixed initial weights, the
 float32 references it trains to, the two custom-loop recipes, and a harness
-that trains one step at a time and checks the optimizer's state after each.
+that trains one step at a time and checks the optimizer's state after each,
+on whichever backend Keras runs (see `tests.support.backends`): a custom
+loop's gradients come from a `tf.GradientTape`, `loss.backward()` or
+`jax.grad`, and on JAX its "jit" mode is a jitted step over `stateless_call`
+and `stateless_apply`.
 """
 
+import contextlib
 import functools
+import threading
 import warnings
 
 import keras
 import numpy as np
-import tensorflow as tf
+import pytest
 
-MODES = ["eager", "tf_function", "jit"]
+from tests.support import backends
+from tests.support.backends import DEFAULT_FIT_MODE
+from tests.support.backends import MODES
+
 INF = float("inf")
 NAN = float("nan")
 
@@ -56,8 +65,20 @@ def compile_kwargs(mode):
 
 
 def compiled(function, mode):
+    """`function` to run in `mode`: as it is, in a `tf.function`, or (a pure
+    function on JAX) in `jax.jit`.
+
+    Only TensorFlow compiles stateful Python; on JAX a jitted training step
+    is written over the stateless API (`StatelessStep`, `apply_step`).
+    """
+    assert mode in MODES, f"no mode {mode!r} on {backends.NAME}"
     if mode == "eager":
         return function
+    if backends.JAX:
+        import jax
+
+        return jax.jit(function)
+    tf = backends.tensorflow()
     return tf.function(function, jit_compile=mode == "jit")
 
 
@@ -69,42 +90,218 @@ def fit_weights(optimizer, mode):
     return trained.get_weights()
 
 
+# On JAX, an eager step applies the inner update inside `ops.cond`, which XLA
+# compiles (contracting multiply-adds), so it rounds unlike Keras's eager
+# update op by op; jitted, both are compiled alike and agree bit for bit.
+JAX_EAGER_UPDATE_BUG = pytest.mark.xfail(
+    strict=True,
+    reason="KMP BUG: on JAX an eager kmp step (run_eagerly, or apply "
+    "outside jit) runs the inner stateless_apply inside ops.cond, compiled "
+    "by XLA: its update differs by an ulp from the inner optimizer's own "
+    "eager update",
+)
+
+
+def reference_modes(modes=None):
+    """`modes` (all of `MODES`) for tests that compare a kmp step with a
+    plain optimizer's, each marked with the bug it shows on this backend."""
+    return [
+        pytest.param(mode, marks=JAX_EAGER_UPDATE_BUG)
+        if backends.JAX and mode == "eager"
+        else mode
+        for mode in (MODES if modes is None else modes)
+    ]
+
+
 @functools.lru_cache(maxsize=None)
 def reference_weights(optimizer_name, mode):
     """The float32 reference: the plain optimizer in `model.fit`."""
     return fit_weights(OPTIMIZERS[optimizer_name](), mode)
 
 
-def loop_weights(optimizer, mode, recipe, transform=None):
-    """Trains `model()` one epoch in a custom loop; returns its weights.
+# --- Custom loops ---------------------------------------------------------
+
+RECIPES = ("contract", "keras", "plain")
+_step_state = threading.local()
+
+
+@contextlib.contextmanager
+def _in_stateless_step(optimizer, optimizer_values):
+    previous = getattr(_step_state, "current", None)
+    _step_state.current = (optimizer, optimizer_values)
+    try:
+        yield
+    finally:
+        _step_state.current = previous
+
+
+def unscale(optimizer, grads):
+    """`optimizer.get_unscaled_gradients(grads)`, or inside a JAX jitted
+    `StatelessStep` its stateless form with the step's optimizer values."""
+    current = getattr(_step_state, "current", None)
+    if current is not None and current[0] is optimizer:
+        return optimizer.stateless_unscale_gradients(current[1], grads)
+    return optimizer.get_unscaled_gradients(grads)
+
+
+def eager_step(model, optimizer, loss_fn, recipe, transform=None):
+    """One training step `step(x, y)` of `model` on any backend.
 
     `recipe` is "contract" (get_scaled_loss / get_unscaled_gradients),
     "keras" (scale_loss, scaled gradients straight to apply_gradients) or
     "plain" (no loss scaling). `transform` maps the gradients just before
-    they are applied.
+    they are applied. On TensorFlow it may be wrapped in a `tf.function`.
     """
-    trained = model()
-    loss_fn = keras.losses.MeanSquaredError()
 
-    def train_step(x, y):
-        variables = trained.trainable_variables
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, trained(x, training=True))
+    def step(x, y):
+        variables = model.trainable_variables
+
+        def loss():
+            value = loss_fn(y, model(x, training=True))
             if recipe == "contract":
-                loss = optimizer.get_scaled_loss(loss)
+                value = optimizer.get_scaled_loss(value)
             elif recipe == "keras":
-                loss = optimizer.scale_loss(loss)
-        grads = tape.gradient(loss, variables)
+                value = optimizer.scale_loss(value)
+            return value
+
+        grads = backends.gradients(loss, variables)
         if recipe == "contract":
             grads = optimizer.get_unscaled_gradients(grads)
         if transform is not None:
             grads = transform(grads)
         optimizer.apply_gradients(zip(grads, variables))
 
-    train_step = compiled(train_step, mode)
+    return step
+
+
+class StatelessStep:
+    """One training step of `model` as a jitted pure function (JAX).
+
+    `jax.grad` over `model.stateless_call`, the loss scaled with
+    `stateless_scale_loss`, (for the "contract" recipe) unscaled with
+    `stateless_unscale_gradients`, then `stateless_apply`: the loop the
+    contract promises on JAX. Calling it runs the jitted step on the
+    variables' values and assigns the results back.
+    """
+
+    def __init__(self, model, optimizer, loss_fn, recipe, transform=None):
+        import jax
+
+        assert recipe in RECIPES, recipe
+        self.model = model
+        self.optimizer = optimizer
+        self._loss_fn = loss_fn
+        self._recipe = recipe
+        self._transform = transform
+        if not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        self.traces = 0
+        self._jitted = jax.jit(self._pure)
+
+    def _pure(self, trainable, non_trainable, optimizer_values, x, y):
+        import jax
+        from keras.src.backend.common.stateless_scope import StatelessScope
+
+        self.traces += 1
+        model, optimizer, recipe = self.model, self.optimizer, self._recipe
+
+        def loss_of(trainable):
+            y_pred, new_non_trainable = model.stateless_call(
+                trainable, non_trainable, x, training=True
+            )
+            mapping = list(zip(model.non_trainable_variables, non_trainable))
+            with StatelessScope(state_mapping=mapping):
+                loss = self._loss_fn(y, y_pred)
+            if recipe != "plain":
+                loss = optimizer.stateless_scale_loss(optimizer_values, loss)
+            return loss, new_non_trainable
+
+        grads, non_trainable = jax.grad(loss_of, has_aux=True)(trainable)
+        scaled = None
+        if recipe == "contract":
+            grads = optimizer.stateless_unscale_gradients(
+                optimizer_values, grads
+            )
+            scaled = False
+        if self._transform is not None:
+            with _in_stateless_step(optimizer, optimizer_values):
+                grads = self._transform(grads)
+        if recipe == "plain":
+            trainable, optimizer_values = optimizer.stateless_apply(
+                optimizer_values, grads, trainable
+            )
+        else:
+            trainable, optimizer_values = optimizer.stateless_apply(
+                optimizer_values, grads, trainable, scaled=scaled
+            )
+        return trainable, non_trainable, optimizer_values
+
+    def __call__(self, x, y):
+        model, optimizer = self.model, self.optimizer
+        trainable, non_trainable, optimizer_values = self._jitted(
+            [v.value for v in model.trainable_variables],
+            [v.value for v in model.non_trainable_variables],
+            [v.value for v in optimizer.variables],
+            x,
+            y,
+        )
+        for variables, new_values in (
+            (model.trainable_variables, trainable),
+            (model.non_trainable_variables, non_trainable),
+            (optimizer.variables, optimizer_values),
+        ):
+            for variable, value in zip(variables, new_values):
+                variable.assign(value)
+
+
+def apply_step(optimizer, grads, variables, mode):
+    """Applies `grads` to `variables` once, in `mode` (one of `MODES`).
+
+    On JAX "jit" is `optimizer.stateless_apply` inside `jax.jit` (the
+    optimizer built with `variables`), its results assigned back.
+    """
+    if not (backends.JAX and mode == "jit"):
+
+        def step():
+            optimizer.apply_gradients(zip(grads, variables))
+
+        compiled(step, mode)()
+        return
+    import jax
+
+    if not optimizer.built:
+        optimizer.build(variables)
+    new_values, optimizer_values = jax.jit(optimizer.stateless_apply)(
+        [v.value for v in optimizer.variables],
+        list(grads),
+        [v.value for v in variables],
+    )
+    for variable, value in zip(variables, new_values):
+        variable.assign(value)
+    for variable, value in zip(optimizer.variables, optimizer_values):
+        variable.assign(value)
+
+
+def loop_step(model, optimizer, loss_fn, recipe, mode, transform=None):
+    """A training step `step(x, y)` in `mode` (one of `MODES`)."""
+    if backends.JAX and mode == "jit":
+        return StatelessStep(model, optimizer, loss_fn, recipe, transform)
+    return compiled(
+        eager_step(model, optimizer, loss_fn, recipe, transform), mode
+    )
+
+
+def loop_weights(optimizer, mode, recipe, transform=None):
+    """Trains `model()` one epoch in a custom loop; returns its weights.
+
+    See `eager_step` for `recipe` and `transform`.
+    """
+    trained = model()
+    loss_fn = keras.losses.MeanSquaredError()
+    train_step = loop_step(trained, optimizer, loss_fn, recipe, mode, transform)
     for start in range(0, len(X), BATCH_SIZE):
         batch = slice(start, start + BATCH_SIZE)
-        train_step(tf.constant(X[batch]), tf.constant(Y[batch]))
+        train_step(backends.tensor(X[batch]), backends.tensor(Y[batch]))
     return trained.get_weights()
 
 
@@ -132,8 +329,9 @@ def optimizer_state(optimizer):
 class Harness:
     """One model and optimizer, trained one step at a time.
 
-    The loss is the mean squared error times `factor`, a variable: setting it
-    to inf or NaN makes every gradient of that step non-finite.
+    The loss is the mean squared error times `factor`, a non-trainable
+    variable of the model (so a jitted JAX step reads it as state): setting
+    it to inf or NaN makes every gradient of that step non-finite.
 
     Args:
         optimizer: The kmp.LossScaleOptimizer to train with.
@@ -144,30 +342,29 @@ class Harness:
     def __init__(self, optimizer, how):
         self.model = model()
         self.optimizer = optimizer
-        self.factor = tf.Variable(1.0)
+        self.factor = keras.Variable(1.0, trainable=False, name="factor")
+        self.model.factor = self.factor
         # Built up front so every slot exists before the first (maybe
         # skipped) step and can be compared.
         optimizer.build(self.model.trainable_variables)
         kind, mode = how.split("_", 1)
+        assert mode in MODES, f"{how}: no mode {mode!r} on {backends.NAME}"
         self._fit = kind == "fit"
         if self._fit:
             self.model.compile(
                 optimizer=optimizer, loss=self._loss, **compile_kwargs(mode)
             )
         else:
-            self._train_step = compiled(self._loop_step, mode)
+            self._train_step = loop_step(
+                self.model,
+                optimizer,
+                lambda y, y_pred: keras.ops.mean(self._loss(y, y_pred)),
+                "contract",
+                mode,
+            )
 
     def _loss(self, y_true, y_pred):
         return keras.losses.mean_squared_error(y_true, y_pred) * self.factor
-
-    def _loop_step(self, x, y):
-        variables = self.model.trainable_variables
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(self._loss(y, self.model(x, training=True)))
-            scaled_loss = self.optimizer.get_scaled_loss(loss)
-        scaled_grads = tape.gradient(scaled_loss, variables)
-        grads = self.optimizer.get_unscaled_gradients(scaled_grads)
-        self.optimizer.apply_gradients(zip(grads, variables))
 
     def snapshot(self):
         """Weights and every inner optimizer variable (slots, iterations)."""
@@ -194,10 +391,6 @@ class Harness:
         x, y = X[:BATCH_SIZE], Y[:BATCH_SIZE]
         if self._fit:
             # One fit call, the factor set between batches by a callback.
-            callback = keras.callbacks.LambdaCallback(
-                on_train_batch_begin=lambda step, logs: begin(step),
-                on_train_batch_end=lambda step, logs: end(step),
-            )
             repeats = (len(factors), 1)
             self.model.fit(
                 np.tile(x, repeats),
@@ -205,12 +398,12 @@ class Harness:
                 batch_size=BATCH_SIZE,
                 shuffle=False,
                 verbose=0,
-                callbacks=[callback],
+                callbacks=[_EveryBatch(begin, end)],
             )
         else:
             for step in range(len(factors)):
                 begin(step)
-                self._train_step(tf.constant(x), tf.constant(y))
+                self._train_step(backends.tensor(x), backends.tensor(y))
                 end(step)
         assert len(records) == len(factors)
         return records
@@ -240,10 +433,31 @@ class Harness:
             skipped_before = state[2]
 
 
+class _EveryBatch(keras.callbacks.Callback):
+    """Calls `begin(step)` before and `end(step)` after every batch of fit.
+
+    Reading `self.model` makes Keras's JAX trainer put its state back into
+    the variables (and take a value assigned here into the next step).
+    """
+
+    def __init__(self, begin, end):
+        super().__init__()
+        self._begin, self._end = begin, end
+
+    def on_train_batch_begin(self, batch, logs=None):
+        assert self.model is not None
+        self._begin(batch)
+
+    def on_train_batch_end(self, batch, logs=None):
+        assert self.model is not None
+        self._end(batch)
+
+
 HARNESSES = [f"{kind}_{mode}" for kind in ("loop", "fit") for mode in MODES]
 # Fit costs more than a loop; test_dynamic_scale_walk covers all of fit's
 # modes, the other walks run fit in its default mode only.
-FEWER_HARNESSES = [f"loop_{mode}" for mode in MODES] + ["fit_tf_function"]
+FEWER_HARNESSES = [f"loop_{mode}" for mode in MODES]
+FEWER_HARNESSES.append(f"fit_{DEFAULT_FIT_MODE}")
 
 
 def assert_unchanged_by(optimizer, call):
@@ -276,6 +490,15 @@ def assert_unchanged_by(optimizer, call):
 X_FINITE = X[:BATCH_SIZE]
 X_INF = np.where(np.arange(BATCH_SIZE)[:, None] == 0, np.inf, X_FINITE)
 X_INF = X_INF.astype("float32")
+
+
+def nan_batches(bad_batches, batches=6):
+    """`batches` batches of X and Y, a NaN input in each of `bad_batches`."""
+    x = np.resize(X, (batches * BATCH_SIZE, X.shape[1]))
+    y = np.resize(Y, (batches * BATCH_SIZE, Y.shape[1]))
+    for batch in bad_batches:
+        x[batch * BATCH_SIZE + 3, 1] = NAN
+    return x, y
 
 
 def fit_steps(trained, inputs_per_step):

@@ -1,0 +1,397 @@
+"""kmp.LossScaleOptimizer on Keras's JAX backend.
+
+The guarantees of the TensorFlow backend, on JAX: `fit` (jitted) skips a
+step with a NaN batch bit for bit, dynamic or fixed; a custom loop of
+`jax.jit` over `stateless_call` and `stateless_apply`, its loss scaled
+with `stateless_scale_loss` (and its gradients unscaled with
+`stateless_unscale_gradients`), gives the float32 reference bit for bit and
+sees the current scale on every call; under
+`keras.distribution.DataParallel` on two devices a step whose inf is in
+one device's shard is skipped on both; persistent skips are reported by
+`check_persistent_skips()`; a `.keras` file keeps the scale and counter.
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import kmp
+from kmp.core.optimizer import PersistentSkipsWarning
+from tests.support import backends
+from tests.support import reliability as rel
+from tests.support import training
+from tests.support.training import BATCH_SIZE
+from tests.support.training import INF
+from tests.support.training import NAN
+from tests.support.training import OPTIMIZERS
+from tests.support.training import X
+from tests.support.training import Y
+
+# JAX only: skipped, before anything imports it, elsewhere.
+backends.require("jax")
+pytestmark = pytest.mark.jax
+
+import jax  # noqa: E402
+
+# --- fit ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dynamic, expected_scales",
+    [
+        (True, [8.0, 4.0, 4.0, 8.0, 4.0, 4.0]),
+        (False, [64.0] * 6),
+    ],
+    ids=["dynamic", "fixed"],
+)
+def test_fit_skips_nan_batches_bit_for_bit(dynamic, expected_scales):
+    scale = {"initial_scale": 8.0, "dynamic_growth_steps": 2}
+    if not dynamic:
+        scale = {"dynamic": False, "initial_scale": 64.0}
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.Adam(0.01), **scale)
+    model = training.model()
+    model.compile(optimizer=optimizer, loss="mse")
+    optimizer.build(model.trainable_variables)
+    bad = {1, 4}
+    x, y = training.nan_batches(bad)
+    record = rel.Record()
+    model.fit(
+        x, y, batch_size=BATCH_SIZE, shuffle=False, verbose=0,
+        callbacks=[record],
+    )  # fmt: skip
+
+    rel.assert_skipped_exactly(record.states, bad)
+    assert rel.scales(record.states[1:]) == expected_scales
+    assert int(optimizer.skipped_steps) == 2
+    assert int(optimizer.iterations) == 4
+    # The skipped batches were as good as absent: plain Adam on the four
+    # finite batches ends in the same weights and slots, bit for bit.
+    finite = [b for b in range(6) if b not in bad]
+    rows = np.concatenate(
+        [np.arange(b * BATCH_SIZE, (b + 1) * BATCH_SIZE) for b in finite]
+    )
+    plain = training.model()
+    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    plain.fit(x[rows], y[rows], batch_size=BATCH_SIZE, shuffle=False, verbose=0)
+    training.assert_weights_equal(model.get_weights(), plain.get_weights())
+    training.assert_weights_equal(
+        training.values(optimizer.inner_optimizer.variables),
+        training.values(plain.optimizer.variables),
+    )
+
+
+# --- The custom loop ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", ["contract", "keras"])
+@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
+def test_jitted_custom_loop_matches_the_float32_reference(
+    optimizer_name, recipe
+):
+    # "contract": stateless_scale_loss, stateless_unscale_gradients, then
+    # stateless_apply(..., scaled=False); "keras": the scaled gradients
+    # straight to stateless_apply, which unscales them.
+    reference = training.loop_weights(
+        OPTIMIZERS[optimizer_name](), "jit", "plain"
+    )
+    optimizer = kmp.LossScaleOptimizer(OPTIMIZERS[optimizer_name]())
+    weights = training.loop_weights(optimizer, "jit", recipe)
+    training.assert_weights_equal(weights, reference)
+    assert int(optimizer.iterations) == len(X) // BATCH_SIZE
+    assert training.optimizer_state(optimizer)[:3] == (2.0**15, 3, 0)
+
+
+def _jitted_step(model, optimizer):
+    """The contract's JAX loop: one jitted step over explicit state.
+
+    Returns `step(state, x, y, factor) -> (state, scale_used)`, where the
+    loss is the mean squared error times `factor` (inf makes a bad step)
+    and `scale_used` is the scaled loss over the loss.
+    """
+    traces = []
+
+    @jax.jit
+    def step(state, x, y, factor):
+        traces.append(1)
+        trainable, non_trainable, optimizer_values = state
+
+        def scaled_loss(trainable):
+            y_pred, updated = model.stateless_call(
+                trainable, non_trainable, x, training=True
+            )
+            loss = keras.ops.mean(keras.ops.square(y_pred - y)) * factor
+            scaled = optimizer.stateless_scale_loss(optimizer_values, loss)
+            return scaled, (loss, updated)
+
+        (scaled, (loss, non_trainable)), grads = jax.value_and_grad(
+            scaled_loss, has_aux=True
+        )(trainable)
+        grads = optimizer.stateless_unscale_gradients(optimizer_values, grads)
+        trainable, optimizer_values = optimizer.stateless_apply(
+            optimizer_values, grads, trainable, scaled=False
+        )
+        return (trainable, non_trainable, optimizer_values), scaled / loss
+
+    step.traces = traces
+    return step
+
+
+def _state_of(model, optimizer):
+    return (
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+        [v.value for v in optimizer.variables],
+    )
+
+
+def _assign(model, optimizer, state):
+    trainable, non_trainable, optimizer_values = state
+    for variable, value in zip(model.trainable_variables, trainable):
+        variable.assign(value)
+    for variable, value in zip(model.non_trainable_variables, non_trainable):
+        variable.assign(value)
+    for variable, value in zip(optimizer.variables, optimizer_values):
+        variable.assign(value)
+
+
+def _inner_values(optimizer, state):
+    """The weights and inner optimizer values of a loop state, as NumPy."""
+    own = len(optimizer.variables) - len(optimizer.inner_optimizer.variables)
+    return [np.asarray(v) for v in state[0] + state[2][own:]]
+
+
+def test_jitted_step_sees_the_current_scale_and_skips_exactly():
+    model = training.model()
+    optimizer = kmp.LossScaleOptimizer(
+        keras.optimizers.Adam(0.01), initial_scale=8, dynamic_growth_steps=2
+    )
+    optimizer.build(model.trainable_variables)
+    step = _jitted_step(model, optimizer)
+    x, y = backends.tensor(X[:BATCH_SIZE]), backends.tensor(Y[:BATCH_SIZE])
+    state = _state_of(model, optimizer)
+
+    used = []
+    for factor in [1.0, INF, 1.0, 1.0, 1.0, NAN, 1.0]:
+        before = _inner_values(optimizer, state)
+        state, scale_used = step(state, x, y, factor)
+        after = _inner_values(optimizer, state)
+        skipped = not np.isfinite(factor)
+        if skipped:
+            training.assert_weights_equal(after, before)
+        else:
+            used.append(float(scale_used))
+            assert any(not np.array_equal(a, b) for a, b in zip(after, before))
+    # The scale each finite step used: 8; the inf halves it: 4, 4 (then it
+    # grows, two finite steps in a row), 8; the NaN halves it: 4.
+    assert used == [8.0, 4.0, 4.0, 8.0, 4.0]
+    assert len(step.traces) == 1  # One trace: the scale is state, not code.
+    _assign(model, optimizer, state)
+    assert training.optimizer_state(optimizer) == (4.0, 1, 2, 5)
+
+
+# --- Persistent skips ---------------------------------------------------------
+
+
+def _skip_run(optimizer, factors):
+    model = training.model()
+    optimizer.build(model.trainable_variables)
+    step = _jitted_step(model, optimizer)
+    x, y = backends.tensor(X[:BATCH_SIZE]), backends.tensor(Y[:BATCH_SIZE])
+    state = _state_of(model, optimizer)
+
+    def run(factor):
+        nonlocal state
+        state, _ = step(state, x, y, factor)
+        jax.effects_barrier()  # The host callback has run.
+        _assign(model, optimizer, state)
+
+    for factor in factors:
+        run(factor)
+    return run
+
+
+def test_persistent_skips_raise_from_check_persistent_skips():
+    optimizer = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1),
+        dynamic=False,
+        initial_scale=128,
+        max_consecutive_skips=2,
+        on_persistent_skips="raise",
+    )
+    # Inside the jitted step nothing raises (a sharded step would hang).
+    run = _skip_run(optimizer, [1.0, INF, INF])
+    with pytest.raises(FloatingPointError, match="skipped the last 2 steps"):
+        optimizer.check_persistent_skips()
+    # It raises on every check at or beyond the limit.
+    run(NAN)
+    with pytest.raises(FloatingPointError, match="skipped the last 3 steps"):
+        optimizer.check_persistent_skips()
+    run(1.0)
+    optimizer.check_persistent_skips()  # A finite step ends the run.
+    assert int(optimizer.iterations) == 2
+    assert int(optimizer.skipped_steps) == 3
+
+
+def _reports(caught):
+    return [w for w in caught if w.category is PersistentSkipsWarning]
+
+
+def test_persistent_skips_warn_once():
+    optimizer = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), max_consecutive_skips=3
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = _skip_run(optimizer, [INF, NAN])
+        optimizer.check_persistent_skips()
+        assert not _reports(caught)
+        run(INF)
+        optimizer.check_persistent_skips()
+        run(1.0)
+        for _ in range(3):
+            run(INF)
+        optimizer.check_persistent_skips()
+    reports = _reports(caught)
+    assert len(reports) == 1, [str(w.message) for w in reports]
+    assert "skipped the last 3 steps in a row" in str(reports[0].message)
+    assert "the loss scale is now 4096." in str(reports[0].message)
+
+
+# --- DataParallel -------------------------------------------------------------
+
+
+def _device_copies(variable):
+    """The value of `variable` on each device it lives on, as NumPy."""
+    shards = variable.value.addressable_shards
+    return [np.asarray(shard.data) for shard in shards]
+
+
+class _RecordDevices(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.states = []
+
+    def _record(self):
+        model = self.model
+        self.states.append(
+            {
+                v.path: _device_copies(v)
+                for v in model.weights + model.optimizer.variables
+            }
+        )
+
+    def on_train_begin(self, logs=None):
+        self._record()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._record()
+
+
+def test_data_parallel_skips_on_every_device_together():
+    devices = jax.devices("cpu")
+    if len(devices) < 2:
+        pytest.skip(
+            "needs 2 CPU devices: XLA_FLAGS="
+            "--xla_force_host_platform_device_count=2 (tests/conftest.py)"
+        )
+    distribution = keras.distribution.DataParallel(devices=devices[:2])
+    x, y = training.nan_batches(set(), batches=3)
+    # Row 1 of the second batch: the first half of a batch goes to the
+    # first device, so only its shard is non-finite.
+    x[BATCH_SIZE + 1, 0] = INF
+    with distribution.scope():
+        model = training.model()
+        optimizer = kmp.LossScaleOptimizer(
+            keras.optimizers.Adam(0.01),
+            initial_scale=8,
+            dynamic_growth_steps=2,
+        )
+        model.compile(optimizer=optimizer, loss="mse")
+        optimizer.build(model.trainable_variables)
+        layout = distribution.get_data_layout((BATCH_SIZE, 4))
+        record = _RecordDevices()
+        model.fit(
+            x, y, batch_size=BATCH_SIZE, shuffle=False, verbose=0,
+            callbacks=[record],
+        )  # fmt: skip
+
+    assert layout.axes[0] == "batch"  # The batch is split between devices.
+    assert len(model.layers[0].kernel.value.sharding.device_set) == 2
+    for state in record.states:
+        for path, copies in state.items():
+            assert len(copies) == 2, path
+            assert copies[0].tobytes() == copies[1].tobytes(), path
+    before, after = record.states[1], record.states[2]
+    changed = rel.split_changed(
+        rel.frozen({p: c[:1] for p, c in before.items()}),
+        rel.frozen({p: c[:1] for p, c in after.items()}),
+    )
+    assert changed == []
+    assert training.optimizer_state(optimizer) == (4.0, 1, 1, 2)
+
+
+# --- Saving -------------------------------------------------------------------
+
+
+def test_keras_file_keeps_the_scale_and_counter(tmp_path):
+    model = training.model()
+    model.compile(
+        optimizer=kmp.LossScaleOptimizer(
+            keras.optimizers.Adam(0.01),
+            initial_scale=64,
+            dynamic_growth_steps=3,
+        ),
+        loss="mse",
+    )
+    x, y = training.nan_batches({2}, batches=6)
+    model.fit(x, y, batch_size=BATCH_SIZE, shuffle=False, verbose=0)
+    state = training.optimizer_state(model.optimizer)
+    assert state == (64.0, 0, 1, 5)  # 2 finite, a skip: 32, 3 finite: 64.
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+
+    loaded = training.load_model_without_skipping(path)
+    assert isinstance(loaded.optimizer, kmp.LossScaleOptimizer)
+    assert training.optimizer_state(loaded.optimizer) == state
+    training.assert_weights_equal(
+        training.values(loaded.optimizer.variables),
+        training.values(model.optimizer.variables),
+    )
+    # Both go on alike: two more finite steps grow the scale.
+    for trained in (model, loaded):
+        trained.fit(
+            x[:16], y[:16], batch_size=BATCH_SIZE, shuffle=False, verbose=0
+        )
+    assert training.optimizer_state(loaded.optimizer) == (64.0, 2, 1, 7)
+    training.assert_weights_equal(loaded.get_weights(), model.get_weights())
+
+
+EXAMPLES = pathlib.Path(__file__).parents[2] / "examples"
+
+
+def test_the_example_loop_trains_without_skipping():
+    """The README's jax loop, examples/jax_custom_loop.py, runs."""
+    script = EXAMPLES / "jax_custom_loop.py"
+    env = dict(os.environ, KMP_EXAMPLE_SMALL="1", KERAS_BACKEND="jax")
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    assert "compute dtype: float16" in out
+    first, last = map(
+        float, re.search(r"loss went from ([\d.]+) to ([\d.]+)", out).groups()
+    )
+    assert last < first
+    assert "skipped steps: 0" in out and "loss scale: 32768" in out

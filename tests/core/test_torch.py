@@ -1,0 +1,218 @@
+"""kmp.LossScaleOptimizer on Keras's torch backend.
+
+The guarantees of the TensorFlow backend, on torch: `fit` skips a step
+with a NaN batch bit for bit, dynamic or fixed; the custom loop
+(`loss.backward()` on `get_scaled_loss(loss)`, then
+`get_unscaled_gradients` and `apply_gradients`, or Keras 3's `scale_loss`
+with the scaled gradients straight to `apply_gradients`) gives the float32
+reference bit for bit and skips a non-finite step exactly; a `.keras` file
+keeps the scale and counter.
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import kmp
+from tests.support import backends
+from tests.support import reliability as rel
+from tests.support import training
+from tests.support.training import BATCH_SIZE
+from tests.support.training import INF
+from tests.support.training import NAN
+from tests.support.training import OPTIMIZERS
+from tests.support.training import X
+from tests.support.training import Y
+
+# torch only: skipped, before anything imports it, elsewhere.
+backends.require("torch")
+pytestmark = pytest.mark.torch
+
+import torch  # noqa: E402
+
+# --- fit ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dynamic, expected_scales",
+    [
+        (True, [8.0, 4.0, 4.0, 8.0, 4.0, 4.0]),
+        (False, [64.0] * 6),
+    ],
+    ids=["dynamic", "fixed"],
+)
+def test_fit_skips_nan_batches_bit_for_bit(dynamic, expected_scales):
+    scale = {"initial_scale": 8.0, "dynamic_growth_steps": 2}
+    if not dynamic:
+        scale = {"dynamic": False, "initial_scale": 64.0}
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.Adam(0.01), **scale)
+    model = training.model()
+    model.compile(optimizer=optimizer, loss="mse")
+    optimizer.build(model.trainable_variables)
+    bad = {1, 4}
+    x, y = training.nan_batches(bad)
+    record = rel.Record()
+    model.fit(
+        x, y, batch_size=BATCH_SIZE, shuffle=False, verbose=0,
+        callbacks=[record],
+    )  # fmt: skip
+
+    rel.assert_skipped_exactly(record.states, bad)
+    assert rel.scales(record.states[1:]) == expected_scales
+    assert int(optimizer.skipped_steps) == 2
+    assert int(optimizer.iterations) == 4
+    # The skipped batches were as good as absent: plain Adam on the four
+    # finite batches ends in the same weights and slots, bit for bit.
+    rows = np.concatenate(
+        [
+            np.arange(b * BATCH_SIZE, (b + 1) * BATCH_SIZE)
+            for b in range(6)
+            if b not in bad
+        ]
+    )
+    plain = training.model()
+    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    plain.fit(x[rows], y[rows], batch_size=BATCH_SIZE, shuffle=False, verbose=0)
+    training.assert_weights_equal(model.get_weights(), plain.get_weights())
+    training.assert_weights_equal(
+        training.values(optimizer.inner_optimizer.variables),
+        training.values(plain.optimizer.variables),
+    )
+
+
+# --- The custom loop ----------------------------------------------------------
+
+
+def _train_step(model, optimizer, recipe):
+    """The custom loop of the contract, on torch: `loss.backward()`."""
+    loss_fn = keras.losses.MeanSquaredError()
+    variables = model.trainable_variables
+
+    def step(x, y, factor=1.0):
+        model.zero_grad()
+        loss = loss_fn(y, model(x, training=True)) * factor
+        if recipe == "contract":
+            optimizer.get_scaled_loss(loss).backward()
+        elif recipe == "keras":
+            optimizer.scale_loss(loss).backward()
+        else:
+            loss.backward()
+        grads = [v.value.grad for v in variables]
+        if recipe == "contract":
+            grads = optimizer.get_unscaled_gradients(grads)
+        with torch.no_grad():
+            optimizer.apply_gradients(zip(grads, variables))
+
+    return step
+
+
+def _batches():
+    for start in range(0, len(X), BATCH_SIZE):
+        yield (
+            backends.tensor(X[start : start + BATCH_SIZE]),
+            backends.tensor(Y[start : start + BATCH_SIZE]),
+        )
+
+
+@pytest.mark.parametrize("recipe", ["contract", "keras"])
+@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
+def test_custom_loop_matches_the_float32_reference(optimizer_name, recipe):
+    reference = training.model()
+    plain_step = _train_step(reference, OPTIMIZERS[optimizer_name](), "plain")
+    model = training.model()
+    optimizer = kmp.LossScaleOptimizer(OPTIMIZERS[optimizer_name]())
+    step = _train_step(model, optimizer, recipe)
+    for x, y in _batches():
+        plain_step(x, y)
+        step(x, y)
+    training.assert_weights_equal(model.get_weights(), reference.get_weights())
+    training.assert_weights_equal(
+        model.get_weights(), training.reference_weights(optimizer_name, "eager")
+    )
+    assert training.optimizer_state(optimizer) == (2.0**15, 3, 0, 3)
+
+
+@pytest.mark.parametrize("recipe", ["contract", "keras"])
+def test_custom_loop_skips_a_non_finite_step_exactly(recipe):
+    model = training.model()
+    optimizer = kmp.LossScaleOptimizer(
+        keras.optimizers.Adam(0.01), initial_scale=8, dynamic_growth_steps=2
+    )
+    optimizer.build(model.trainable_variables)
+    step = _train_step(model, optimizer, recipe)
+    x, y = next(_batches())
+    states = [rel.snapshot(model, optimizer)]
+    for factor in [1.0, INF, 1.0, 1.0, NAN, 1.0]:
+        step(x, y, factor)
+        states.append(rel.snapshot(model, optimizer))
+    rel.assert_skipped_exactly(states, bad_steps={1, 4})
+    assert rel.scales(states[1:]) == [8.0, 4.0, 4.0, 8.0, 4.0, 4.0]
+    assert training.optimizer_state(optimizer) == (4.0, 1, 2, 4)
+    for variable in model.trainable_variables:
+        assert torch.isfinite(variable.value).all()
+
+
+# --- Saving -------------------------------------------------------------------
+
+
+def test_keras_file_keeps_the_scale_and_counter(tmp_path):
+    model = training.model()
+    model.compile(
+        optimizer=kmp.LossScaleOptimizer(
+            keras.optimizers.Adam(0.01),
+            initial_scale=64,
+            dynamic_growth_steps=3,
+        ),
+        loss="mse",
+    )
+    x, y = training.nan_batches({2}, batches=6)
+    model.fit(x, y, batch_size=BATCH_SIZE, shuffle=False, verbose=0)
+    state = training.optimizer_state(model.optimizer)
+    assert state == (64.0, 0, 1, 5)  # 2 finite, a skip: 32, 3 finite: 64.
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+
+    loaded = training.load_model_without_skipping(path)
+    assert isinstance(loaded.optimizer, kmp.LossScaleOptimizer)
+    assert training.optimizer_state(loaded.optimizer) == state
+    training.assert_weights_equal(
+        training.values(loaded.optimizer.variables),
+        training.values(model.optimizer.variables),
+    )
+    # Both go on alike: two more finite steps.
+    for trained in (model, loaded):
+        trained.fit(
+            x[:16], y[:16], batch_size=BATCH_SIZE, shuffle=False, verbose=0
+        )
+    assert training.optimizer_state(loaded.optimizer) == (64.0, 2, 1, 7)
+    training.assert_weights_equal(loaded.get_weights(), model.get_weights())
+
+
+EXAMPLES = pathlib.Path(__file__).parents[2] / "examples"
+
+
+def test_the_example_loop_trains_without_skipping():
+    """The README's torch loop, examples/torch_custom_loop.py, runs."""
+    script = EXAMPLES / "torch_custom_loop.py"
+    env = dict(os.environ, KMP_EXAMPLE_SMALL="1", KERAS_BACKEND="torch")
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    assert "compute dtype: float16" in out
+    first, last = map(
+        float, re.search(r"loss went from ([\d.]+) to ([\d.]+)", out).groups()
+    )
+    assert last < first
+    assert "skipped steps: 0" in out and "loss scale: 32768" in out
