@@ -353,21 +353,20 @@ print("CPU has AMX BF16:", "amx_bf16" in cpu_flags)
 #   `tf.function(jit_compile=True)`): fusing the casts that mixed precision
 #   adds into the surrounding operations removes most of their cost.
 # * Check the speed-up on your own model before and after: `kmp bench`.
-# * Recurrent layers: Keras 3's `LSTM`, `GRU` and `SimpleRNN` read their
-#   weights inside the loop over time steps, so under a mixed policy they
-#   would cast them again at every step. Importing kmp makes them cast once
-#   per call (`kmp.recurrent`; same outputs and gradients, bit for bit). The
-#   benchmark LSTM trains 1.2-1.34x faster in bfloat16 than in float32 with it,
-#   about as fast as in float32 without it.
-# * Global average pooling: Keras 3 averages a bfloat16 tensor by first
-#   copying it to float32. With kmp imported the mean is taken in bfloat16
-#   directly wherever that gives exactly the same result (`kmp.mean`), which
-#   saves that copy and its float32 gradient: the benchmark CNN needs 0.55x of
+# * Recurrent layers: Keras 3's `LSTM`, `GRU` and `SimpleRNN` read their weights
+#   inside the loop over time steps, so under a mixed policy they would cast
+#   them again at every step. Importing kmp makes them cast once per call (the
+#   `recurrent` patch; same outputs and gradients, bit for bit). The benchmark
+#   LSTM trains 1.2-1.34x faster in bfloat16 than in float32 with it, about as
+#   fast as in float32 without it.
+# * Global average pooling: Keras 3 averages a bfloat16 tensor by first copying
+#   it to float32. With kmp imported the mean is taken in bfloat16 directly
+#   wherever that gives exactly the same result (the `mean` patch), which saves
+#   that copy and its float32 gradient: the benchmark CNN needs 0.55x of
 #   float32's training memory instead of 0.63x.
 # * A float32 output layer: `Dense(10, dtype="float32")` fed bfloat16
-#   activations casts them to float32, and Keras keeps that float32 copy
-#   until the backward pass. With kmp imported, such a Dense keeps the
-#   bfloat16 activations instead and casts them again in the backward pass
-#   (`kmp.dense`; same outputs and gradients, bit for bit): the benchmark MLP
-#   at batch 8192 needs 0.61-0.76x of float32's training memory instead of
-#   0.87x.
+#   activations casts them to float32, and Keras keeps that float32 copy until
+#   the backward pass. With kmp imported, such a Dense keeps the bfloat16
+#   activations instead and casts them again in the backward pass (the `dense`
+#   patch; same outputs and gradients, bit for bit): the benchmark MLP at batch
+#   8192 needs 0.61-0.76x of float32's training memory instead of 0.87x.

@@ -89,6 +89,64 @@ Each one is run below, against the installed Keras 3.
    arguments, config and checkpoints) with the fused kernel back; it rounds
    like tf_keras did, not bit for bit like Keras 3's Adam.
 
+8. Loss-scale settings of PyTorch's GradScaler, DeepSpeed and jmp map onto
+   kmp's arguments (table below); a DeepSpeed configuration is replayed
+   step by step next to a model of DeepSpeed's rule.
+
+## Loss-scale settings from PyTorch, DeepSpeed and jmp
+
+The dynamic rule is the same idea everywhere: grow the scale after a number
+of finite steps in a row, back off on a step with inf/NaN gradients (which
+is skipped). Each setting maps onto one argument of
+`kmp.LossScaleOptimizer(inner_optimizer, ...)`:
+
+torch.amp.GradScaler(               kmp.LossScaleOptimizer(inner_optimizer,
+  init_scale=2**16,                   initial_scale=2**16, (kmp: 2**15)
+  growth_factor=2.0,                  growth_factor=2.0,
+  backoff_factor=0.5,                 backoff_factor=0.5,
+  growth_interval=2000,               dynamic_growth_steps=2000,
+  enabled=False)                      none: the inner optimizer itself (8)
+  (no floor: halves down to 0)        min_scale=2**-24 at the lowest (9)
+
+DeepSpeed config "fp16": {          kmp.LossScaleOptimizer(inner_optimizer,
+  "loss_scale": 0,                    dynamic=True, (0 means dynamic)
+  "loss_scale": 128,                  dynamic=False, initial_scale=128,
+  "initial_scale_power": 16,          initial_scale=2**16,
+  "loss_scale_window": 1000,          dynamic_growth_steps=1000,
+  "hysteresis": 2,                    hysteresis=2, (10)
+  "consecutive_hysteresis": false,    the only kind kmp has
+  "min_loss_scale": 1}                min_scale=1,
+  (factor 2, both ways)               growth_factor=2, backoff_factor=0.5
+                                      (the defaults)
+
+jmp.DynamicLossScale(               kmp.LossScaleOptimizer(inner_optimizer,
+  loss_scale=2**15,                   initial_scale=2**15,
+  counter=0,                          none: state, restored from a
+                                      checkpoint (.dynamic_counter)
+  period=2000,                        dynamic_growth_steps=2000,
+  factor=2,                           growth_factor=2, backoff_factor=1/2,
+  min_loss_scale=1)                   min_scale=1)
+jmp.StaticLossScale(128)            dynamic=False, initial_scale=128
+jmp.NoOpLossScale()                 none: the inner optimizer itself
+
+kmp's `max_scale` (the largest float32 by default) has no counterpart: a
+growth that would pass it is not taken. GradScaler and jmp, like kmp, never
+grow the scale to inf. kmp's defaults are tf.keras's: 2**15, 2000 steps,
+factors 2 and 0.5, floor 1, `hysteresis=1`.
+
+(8) No loss scaling. Under "mixed_float16", `compile` adds a loss scale
+    optimizer by itself unless given `auto_scale_loss=False`.
+(9) GradScaler halves without a floor; kmp's `min_scale` goes down to
+    2**-24 (float16's smallest subnormal), where dividing by the scale
+    multiplies a gradient by 2**24 at most.
+(10) DeepSpeed applies `hysteresis` with ZeRO (stages 1 to 3) and its
+    unfused fp16 optimizer; its fused `FP16_Optimizer` backs off on every
+    overflow (`hysteresis=1` in kmp). An overflow that would back off a scale
+    already at `min_loss_scale` stops a DeepSpeed run; kmp skips the step
+    (`on_persistent_skips="raise"` stops a run after
+    `max_consecutive_skips` skips in a row). From DeepSpeed 0.17.1 the first
+    growth after an overflow comes one step later; see section 8.
+
 Run it with `python guides/porting.py`; it takes a few seconds (it has no
 large sizes, so unlike the other guide it ignores `KMP_GUIDE_SMALL`).
 """
@@ -456,3 +514,158 @@ keras_ops = update_op_types(keras.optimizers.Adam(0.01))
 fused_ops = update_op_types(kmp.FusedAdam(0.01))
 print(f"Keras 3 Adam: {len(keras_ops)} ops: {', '.join(keras_ops)}")
 print(f"kmp.FusedAdam: {len(fused_ops)} op: {', '.join(fused_ops)}")
+
+
+# ## 8. A DeepSpeed fp16 configuration in kmp
+#
+# `from_deepspeed_fp16` builds kmp's optimizer from a DeepSpeed "fp16"
+# section, along the table above. `DeepSpeedLossScale` is a model of
+# DeepSpeed's dynamic loss scale in plain Python, written from its
+# documented behaviour (the "fp16" options in DeepSpeed's configuration
+# documentation, and `DynamicLossScaler.update_scale` in
+# deepspeed/runtime/fp16/loss_scaler.py), not copied from it:
+#
+# - an overflow skips the step. With the hysteresis count down to 1, the
+#   scale halves, not below `min_loss_scale` (if it is there already,
+#   DeepSpeed stops the run); otherwise only the count goes down by 1;
+# - after `loss_scale_window` iterations without an overflow, counted from
+#   the last one (a tolerated overflow counts too), the scale doubles and
+#   the count is back to `hysteresis`. Up to DeepSpeed 0.17.0 it grows at
+#   the window-th iteration after an overflow; 0.17.1 changed the count so
+#   the first growth after the start or an overflow comes one iteration
+#   later (`grows_late=True`), which kmp's counter cannot reproduce.
+#
+# The window here is 4 rather than 1000, so the run is short.
+
+DEEPSPEED_FP16 = {
+    "enabled": True,
+    "loss_scale": 0,  # 0: dynamic
+    "initial_scale_power": 16,
+    "loss_scale_window": 4,  # 1000 in practice
+    "hysteresis": 2,
+    "min_loss_scale": 1,
+}
+
+
+def from_deepspeed_fp16(fp16: dict, inner_optimizer):
+    """A kmp.LossScaleOptimizer with the settings of a DeepSpeed "fp16"
+    section (DeepSpeed's defaults for the keys it does not have)."""
+    if fp16.get("loss_scale", 0):
+        return kmp.LossScaleOptimizer(
+            inner_optimizer, dynamic=False, initial_scale=fp16["loss_scale"]
+        )
+    return kmp.LossScaleOptimizer(
+        inner_optimizer,
+        initial_scale=2.0 ** fp16.get("initial_scale_power", 16),
+        dynamic_growth_steps=fp16.get("loss_scale_window", 1000),
+        hysteresis=fp16.get("hysteresis", 2),
+        min_scale=fp16.get("min_loss_scale", 1),
+    )
+
+
+class DeepSpeedLossScale:
+    """DeepSpeed's dynamic loss scale (see above), one update per step."""
+
+    def __init__(
+        self,
+        initial_scale_power,
+        loss_scale_window,
+        hysteresis,
+        min_loss_scale,
+        grows_late=False,
+    ):
+        self.scale = 2.0**initial_scale_power
+        self.window = loss_scale_window
+        self.hysteresis = hysteresis
+        self.hysteresis_left = hysteresis
+        self.min_scale = min_loss_scale
+        self.grows_late = grows_late
+        self.iteration = 0
+        self.last_overflow = -1
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            if self.hysteresis_left <= 1:
+                if self.scale == self.min_scale:
+                    raise FloatingPointError(
+                        "overflow with the loss scale at min_loss_scale: "
+                        "DeepSpeed stops the run"
+                    )
+                self.scale = max(self.scale / 2, self.min_scale)
+            else:
+                self.hysteresis_left -= 1
+            self.last_overflow = self.iteration
+        else:
+            clean = self.iteration - self.last_overflow - self.grows_late
+            if clean > 0 and clean % self.window == 0:
+                self.scale *= 2
+                self.hysteresis_left = self.hysteresis
+        self.iteration += 1
+
+
+ds_optimizer = from_deepspeed_fp16(DEEPSPEED_FP16, keras.optimizers.SGD(0.01))
+rule = ds_optimizer.rule
+print(
+    f"kmp from DeepSpeed fp16: initial_scale {ds_optimizer.initial_scale:g}, "
+    f"dynamic_growth_steps {ds_optimizer.dynamic_growth_steps}, "
+    f"hysteresis {rule.hysteresis}, min_scale {rule.min_scale:g}, "
+    f"growth_factor {rule.growth_factor:g}, "
+    f"backoff_factor {rule.backoff_factor:g}"
+)
+
+# The same steps through both: "." a finite step, "x" one that overflows.
+# Growth, a tolerated overflow that restarts the window, backing off,
+# growth restoring the hysteresis, runs of overflows, and growth again.
+STEPS = "....x...x....x.xxx.........x.x....x..."
+dynamic_keys = (
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "min_loss_scale",
+)
+deepspeed = DeepSpeedLossScale(**{k: DEEPSPEED_FP16[k] for k in dynamic_keys})
+deepspeed_0_17_1 = DeepSpeedLossScale(
+    **{k: DEEPSPEED_FP16[k] for k in dynamic_keys}, grows_late=True
+)
+weight = keras.Variable(np.zeros(2, "float32"))
+print("step  grads  DeepSpeed        kmp  (DeepSpeed >= 0.17.1)")
+agree, late_differs = True, None
+for step, mark in enumerate(STEPS):
+    overflow = mark == "x"
+    gradient = tf.constant([np.inf if overflow else 1.0, 1.0])
+    ds_optimizer.apply_gradients([(gradient, weight)])
+    deepspeed.update(overflow)
+    deepspeed_0_17_1.update(overflow)
+    kmp_scale = float(ds_optimizer.loss_scale)
+    agree = agree and kmp_scale == deepspeed.scale
+    if late_differs is None and deepspeed_0_17_1.scale != kmp_scale:
+        late_differs = step
+    print(
+        f"{step:4d}  {'inf' if overflow else 'ok':>5}  "
+        f"{deepspeed.scale:9g}  {kmp_scale:9g}  {deepspeed_0_17_1.scale:9g}"
+    )
+print(f"DeepSpeed (to 0.17.0) and kmp agree at every step: {agree}")
+print(
+    f"DeepSpeed 0.17.1 and later first differ at step {late_differs}: "
+    "its first growth after the start or an overflow comes one step later"
+)
+
+# At the floor the two part ways on purpose: DeepSpeed stops the run, kmp
+# skips the step and keeps the scale (and warns, or raises, once
+# `max_consecutive_skips` steps in a row were skipped).
+
+floor_scale = DeepSpeedLossScale(0, 4, 1, 1)
+try:
+    floor_scale.update(True)
+except FloatingPointError as error:
+    print("DeepSpeed, an overflow at min_loss_scale:", error)
+floor_optimizer = kmp.LossScaleOptimizer(
+    keras.optimizers.SGD(0.01), initial_scale=1
+)
+floor_optimizer.apply_gradients([(tf.constant([np.inf, 1.0]), weight)])
+print(
+    "kmp, an overflow at min_scale: skipped",
+    int(floor_optimizer.skipped_steps),
+    "step, scale",
+    float(floor_optimizer.loss_scale),
+)

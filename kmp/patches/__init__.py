@@ -11,11 +11,12 @@
 - `mean` (performance, TensorFlow): `keras.ops.mean` of bfloat16 tensors
   without a float32 copy.
 
-Performance patches give Keras's results bit for bit. Turn patches off as a whole or one by one with `uninstall`, or
-before `import kmp` with the environment variable `KMP_PATCHES`: `none`, a
-list of names to install (`global_policy,compile`), or names to leave out of
-the defaults (`-dense,-recurrent`). On a Keras or TensorFlow kmp was not
-tested with, performance patches stay off with one warning.
+Performance patches give Keras's results bit for bit. Turn patches off as a
+whole or one by one with `uninstall`, or before `import kmp` with the
+environment variable `KMP_PATCHES`: `none`, a list of names to install
+(`global_policy,compile`), or names to leave out of the defaults
+(`-dense,-recurrent`). On a Keras or TensorFlow kmp was not tested with,
+performance patches stay off with one warning.
 
 >>> sorted(info.name for info in available())
 ['compile', 'dense', 'global_policy', 'mean', 'recurrent']

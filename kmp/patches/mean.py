@@ -19,8 +19,9 @@ in bfloat16 - the same elementwise arithmetic as Keras's float32 gradient
 followed by its cast, eagerly, in graphs and under XLA. (TensorFlow's own
 bfloat16 gradient, which kmp used before, divides in bfloat16; in a graph
 TensorFlow's optimizer turns that into a product by a rounded reciprocal,
-which is not Keras's result.) Every other input (float16, float32, integers, sparse
-tensors, other counts) goes to Keras's `mean`. TensorFlow backend only.
+which is not Keras's result.) Every other input (float16, float32, integers,
+sparse tensors, other counts) goes to Keras's `mean`. TensorFlow backend
+only.
 """
 
 import math

@@ -196,3 +196,89 @@ def test_porting_fused_adam_is_one_kernel(out):
     assert int(keras_line.group(1)) >= 10
     assert "ResourceApplyAdam" not in keras_line.group(2)
     assert fused_line.group(2) == "ResourceApplyAdam"
+
+
+@PORTING
+def test_porting_deepspeed_config_maps_onto_kmp(out):
+    assert (
+        "kmp from DeepSpeed fp16: initial_scale 65536, dynamic_growth_steps "
+        "4, hysteresis 2, min_scale 1, growth_factor 2, backoff_factor 0.5"
+    ) in out
+
+
+@PORTING
+def test_porting_deepspeed_scale_trajectory_matches_kmp(out):
+    rows = re.findall(
+        r"^ *(\d+) +(ok|inf) +(\d+) +(\d+) +(\d+)$", out, re.MULTILINE
+    )
+    assert len(rows) == 38, out
+    assert [int(step) for step, *_ in rows] == list(range(38))
+    for step, _, deepspeed, kmp_scale, _ in rows:
+        assert deepspeed == kmp_scale, f"step {step}"
+    scales = [int(kmp_scale) for *_, kmp_scale, _ in rows]
+    # The script grows, tolerates an overflow (hysteresis 2), backs off.
+    assert scales[3] == 2**17 and scales[4] == 2**17 and scales[8] == 2**16
+    assert min(scales) == 2**14
+    assert "DeepSpeed (to 0.17.0) and kmp agree at every step: True" in out
+    assert "DeepSpeed 0.17.1 and later first differ at step 3:" in out
+    newer = [int(row[4]) for row in rows]
+    assert newer[3] == 2**16 and newer[4] == 2**16
+
+
+@PORTING
+def test_porting_deepspeed_stops_at_the_floor_kmp_skips(out):
+    assert (
+        "DeepSpeed, an overflow at min_loss_scale: overflow with the loss "
+        "scale at min_loss_scale: DeepSpeed stops the run"
+    ) in out
+    assert "kmp, an overflow at min_scale: skipped 1 step, scale 1.0" in out
+
+
+# --- guides/watching_the_scale.py --------------------------------------------
+
+WATCHING = pytest.mark.parametrize("script", ["watching_the_scale.py"])
+
+
+def log2_scales(text: str, name: str):
+    match = re.search(
+        re.escape(name) + r": log2\(scale\) per batch:\n(.*)", text
+    )
+    assert match, f"no {name!r} run in:\n{text}"
+    return [float(value) for value in match.group(1).split()]
+
+
+@WATCHING
+def test_watching_sawtooth_grows_then_backs_off_around_a_level(out):
+    scales = log2_scales(out, "sawtooth")
+    assert len(scales) == 40
+    assert scales[:4] == [10, 11, 11, 12]  # Doubles every 2 steps.
+    first_drop = next(i for i in range(1, 40) if scales[i] < scales[i - 1])
+    level = scales[first_drop - 1]
+    # After the first overflow it stays within a few halvings of the level.
+    assert all(level - 4 <= s <= level + 2 for s in scales[first_drop:])
+    assert re.search(r"sawtooth: .*\n.*\n  skipped ([1-9]\d*) of 40", out)
+
+
+@WATCHING
+def test_watching_floor_and_its_cure(out):
+    scales = log2_scales(out, "floor")
+    assert scales[:10] == list(range(9, -1, -1))
+    assert scales[10:] == [0] * 30
+    assert (
+        "skipped 40 of 40 batches; epoch: loss_scale 1, skipped_steps 40, "
+        "consecutive_skips 40"
+    ) in out
+    assert log2_scales(out, "first layer in float32") == [10] * 40
+
+
+@WATCHING
+def test_watching_growth_without_bound_and_capped(out):
+    growing = log2_scales(out, "growing")
+    assert growing == [4] + [5 + i // 2 for i in range(39)]
+    capped = log2_scales(out, "capped at max_scale=2**14")
+    assert capped == [min(s, 14) for s in growing]
+    assert "epoch: loss_scale 16384, skipped_steps 0" in out
+    assert (
+        "event files under: ['capped', 'floor', 'floor_fixed', 'growing', "
+        "'sawtooth']"
+    ) in out
