@@ -125,7 +125,7 @@ def test_convert_summary_and_audit(case):
 
 
 def _case(name):
-    (case,) = [case for case in CASES if case.name == name]
+    (case,) = [case for case in hub_zoo.cases() if case.name == name]
     return case
 
 
