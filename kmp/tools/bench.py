@@ -206,6 +206,8 @@ class _Configuration:
         self.step_seconds = []  # Timed steps only.
         self.losses = []  # Every step's batch loss, warm-up included.
         self.loss_scales = []  # The scale after every step, when loss-scaled.
+        self.skipped_at = []  # The (1-based) steps that were skipped.
+        self._skipped_so_far = 0
         self.steps_run = 0
         if loop == "fit":
             self._run = self._fit_step(batches)
@@ -271,13 +273,17 @@ class _Configuration:
         self.losses.append(float(loss))
         if timed:
             self.step_seconds.append(seconds)
+        self.steps_run += 1
         if self.loss_scaled:
             self.loss_scales.append(self.current_loss_scale())
+            skipped = self.skipped_steps()
+            if skipped > self._skipped_so_far:
+                self.skipped_at.append(self.steps_run)
+                self._skipped_so_far = skipped
         if self.loop == "fit":
             # fit logs the loss averaged since the last reset: reset it so
             # that the next step logs its own.
             self.model.reset_metrics()
-        self.steps_run += 1
 
     def current_loss_scale(self):
         if self.implementation == "kmp":
@@ -334,6 +340,7 @@ def _result(configuration, data, batch_size, units, warmup_steps):
         if scaled
         else None,
         "skipped_steps": configuration.skipped_steps() if scaled else None,
+        "skipped_at": list(configuration.skipped_at) if scaled else None,
     }
 
 

@@ -273,8 +273,12 @@ def write_json(results, path, settings=None) -> None:
         file.write("\n")
 
 
-def write_plot(results, path) -> None:
-    """Plots loss curves and loss-scale trajectories into a PNG file."""
+def write_plot(results, path):
+    """Plots loss curves and loss-scale trajectories into a PNG file.
+
+    The loss scale is on a log axis, with a red cross at every skipped
+    step. Returns the matplotlib `Figure`.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import FormatStrFormatter
@@ -296,6 +300,17 @@ def write_plot(results, path) -> None:
             scales_axes.step(
                 steps, r["loss_scales"], style, where="post", label=label
             )
+            skipped = r.get("skipped_at") or []
+            if skipped:
+                # A cross on the scale after each skipped step.
+                scales_axes.plot(
+                    skipped,
+                    [r["loss_scales"][step - 1] for step in skipped],
+                    "x",
+                    color="red",
+                    label=f"skipped step ({label})",
+                    gid="skipped",
+                )
     for axes in (losses_axes, scales_axes):
         axes.axvline(warmup + 0.5, color="grey", linestyle=":", linewidth=1)
         axes.set_xlabel(f"training step (timed after step {warmup})")
@@ -321,6 +336,7 @@ def write_plot(results, path) -> None:
         )
     figure.tight_layout()
     figure.savefig(path, format="png", dpi=100)
+    return figure
 
 
 __all__ = [

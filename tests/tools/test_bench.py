@@ -77,6 +77,7 @@ def _result(policy, loop, median_ms, accuracy, implementation="kmp"):
         "loss_scales": [4.0, 2.0, 2.0, 2.0] if scaled else None,
         "final_loss_scale": 2.0 if scaled else None,
         "skipped_steps": 1 if scaled else None,
+        "skipped_at": [2] if scaled else None,
     }
 
 
@@ -187,3 +188,24 @@ def test_every_configuration_trains_on_the_same_batches():
     assert len(fit["losses"]) == len(custom["losses"]) == 1 + 1 + 1 + 3
     assert fit["losses"] == pytest.approx(custom["losses"], rel=1e-3)
     assert fit["steps"] == custom["steps"] == 3
+
+
+def test_plot_marks_skipped_steps_on_a_log_scale_axis(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = [
+        _result("float32", "fit", 4.0, 0.97),
+        _result("mixed_float16", "fit", 2.0, 0.97),
+    ]
+    results[1].update(
+        loss_scales=[4.0, 2.0, 2.0, 2.0], skipped_at=[2], skipped_steps=1
+    )
+    figure = bench_report.write_plot(results, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    scales_axes = figure.axes[1]
+    assert scales_axes.get_yscale() == "log"
+    (marks,) = [
+        line for line in scales_axes.lines if line.get_gid() == "skipped"
+    ]
+    assert list(marks.get_xdata()) == [2]
+    assert list(marks.get_ydata()) == [2.0]
+    assert marks.get_marker() == "x"
