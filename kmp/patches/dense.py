@@ -22,10 +22,11 @@ input gradient never exist at once.
 
 It applies only where that is certain: inside a `tf.function` (graph mode),
 a `Dense` whose `call` is Keras's own (not overridden by a subclass), with a
-float32 kernel, no LoRA and no quantization, fed a float32 tensor (any rank,
-known last dimension; e.g. a sequence model's float32 output layer) that
-Keras made by casting a bfloat16 or float16 one. Everything else runs
-Keras's `Dense.call`. TensorFlow backend only.
+float32 kernel, no LoRA and no quantization, fed a float32 tensor (rank 2;
+from Keras 3.15, whose matmul multiplies a sequence by a matrix row by row,
+any rank with a known last dimension, e.g. a sequence model's float32
+output layer) that Keras made by casting a bfloat16 or float16 one.
+Everything else runs Keras's `Dense.call`. TensorFlow backend only.
 """
 
 from keras import ops
@@ -99,11 +100,21 @@ def _product(tf, wide, source, kernel):
     return product(source, kernel)
 
 
+def _keras_matmul_uses_tensordot() -> bool:
+    """Whether Keras's TensorFlow `matmul` multiplies a rank > 2 input by a
+    matrix through `tensordot` (the product of the rows): from Keras 3.15."""
+    return backend.keras_version() >= (3, 15)
+
+
 def call(original, self, inputs, training=None):
     """Keras's `Dense.call`, keeping a low-precision input for backward."""
     tf = backend.tensorflow()
     source = _low_precision_source(tf, inputs)
     if source is None or not _keeps_input_low(self):
+        return original(self, inputs, training=training)
+    if inputs.shape.rank != 2 and not _keras_matmul_uses_tensordot():
+        # Before Keras 3.15 a sequence input goes through a broadcasting
+        # matmul, which rounds differently from kmp's product of the rows.
         return original(self, inputs, training=training)
     kernel = ops.convert_to_tensor(self.kernel)
     if inputs.shape.rank == 2:

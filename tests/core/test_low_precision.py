@@ -181,7 +181,7 @@ OPTIMIZERS = {
     "lamb": lambda: keras.optimizers.Lamb(0.01),
     "ftrl": lambda: keras.optimizers.Ftrl(0.1, l1_regularization_strength=0.1),
     "adafactor": lambda: keras.optimizers.Adafactor(0.1),
-    "muon": lambda: keras.optimizers.Muon(0.01, adam_weight_decay=0.1),
+    "muon": lambda: keras.optimizers.Muon(0.01, weight_decay=0.1),
     "fused_adam_schedule": lambda: kmp.FusedAdam(
         keras.optimizers.schedules.ExponentialDecay(0.1, 2, 0.5)
     ),
@@ -204,6 +204,11 @@ def _train(optimizer, mode="tf_function", dtype="float32", grads=GRADIENTS):
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_float32_variables_get_the_inner_update_bit_for_bit(name):
+    if name == "muon" and kmp.core.backend.keras_version() < (3, 15):
+        pytest.skip(
+            "Muon before Keras 3.15 reads `.path` of the variables it "
+            "updates, which kmp's wrapper hands it as TensorFlow variables"
+        )
     make = OPTIMIZERS[name]
     if name.startswith("fused"):  # It runs Keras's Adam update, unfused.
         want = _train(
