@@ -19,13 +19,21 @@ guarantees: a scale never below 1 nor inf, skipped steps that leave
   saved optimizer state fits.
 
 A `LossScaleOptimizer` the user passes (Keras's or kmp's) is kept as it is.
+
+Where a kmp optimizer's step cannot report persistent skips from inside
+itself (`jit_compile=True` on TensorFlow: XLA runs no Python; JAX's jitted
+step with `on_persistent_skips="raise"`), `fit`'s train function calls
+`optimizer.check_persistent_skips()` after every call, so the warning
+appears and "raise" stops `fit`, with or without `LossScaleMonitor`.
 """
 
+import importlib
 import inspect
 
 import keras
 from keras.src.trainers import trainer as _keras_trainer
 
+from kmp.core import backend
 from kmp.core import optimizer as optimizer_module
 from kmp.patches import registry
 
@@ -87,6 +95,59 @@ def compile(original, self, *args, **kwargs):  # noqa: A001 - Keras's name.
         self.optimizer = _kmp_wrapper(chosen, "loss_scale_optimizer")
 
 
+def _needs_skip_check(model) -> bool:
+    optimizer = getattr(model, "optimizer", None)
+    if not isinstance(optimizer, optimizer_module.LossScaleOptimizer):
+        return False
+    if optimizer.max_consecutive_skips is None or model.run_eagerly:
+        return False
+    if backend.is_jax():
+        # The jitted step warns through a host callback; it cannot raise.
+        return optimizer.on_persistent_skips == "raise"
+    return bool(model.jit_compile)
+
+
+def make_train_function(original, self, force=False):
+    """Keras's `make_train_function`; under XLA it checks persistent skips
+    after every call of the train function (see the module docstring)."""
+    returned = original(self, force=force)
+    function = self.train_function
+    if (
+        function is not None
+        and not getattr(function, "__kmp_checks_skips__", False)
+        and _needs_skip_check(self)
+    ):
+        optimizer = self.optimizer
+
+        def train_function(*args, **kwargs):
+            outputs = function(*args, **kwargs)
+            optimizer.check_persistent_skips()
+            return outputs
+
+        train_function.__kmp_checks_skips__ = True
+        self.train_function = train_function
+        if returned is function:
+            returned = train_function
+    return returned
+
+
+def _trainer_targets():
+    targets = [registry.Target(_keras_trainer.Trainer, "compile", compile)]
+    if backend.is_tensorflow() or backend.is_jax():
+        module = importlib.import_module(
+            f"keras.src.backend.{backend.name()}.trainer"
+        )
+        trainer = (
+            module.TensorFlowTrainer
+            if backend.is_tensorflow()
+            else module.JAXTrainer
+        )
+        targets.append(
+            registry.Target(trainer, "make_train_function", make_train_function)
+        )
+    return targets
+
+
 def _works() -> bool:
     current = _keras_trainer.Trainer.__dict__["compile"]
     parameters = inspect.signature(registry.keras_original(current)).parameters
@@ -99,10 +160,9 @@ PATCH = registry.Patch(
     summary=(
         "model.compile's automatic loss scaling (mixed_float16) wraps the "
         "optimizer in kmp.LossScaleOptimizer, saved in Keras's file layout, "
-        "and adds none to a model without float16 layers"
+        "and adds none to a model without float16 layers; under XLA fit "
+        "checks kmp's persistent skips after every step"
     ),
-    targets=lambda: [
-        registry.Target(_keras_trainer.Trainer, "compile", compile)
-    ],
+    targets=_trainer_targets,
     check=_works,
 )

@@ -385,15 +385,6 @@ def nan_fit(optimizer, jit_compile):
     return model
 
 
-XLA_SKIPS_BUG = (
-    "KMP BUG: under jit_compile=True fit never warns nor raises on "
-    "persistent skips (tf_steps._after_step leaves the report out under "
-    "XLA; nothing in fit calls check_persistent_skips, not even "
-    "LossScaleMonitor, which the docstring says does)"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=XLA_SKIPS_BUG)
 def test_xla_fit_persistent_skips_raise():
     optimizer = LSO(
         keras.optimizers.SGD(0.1),
@@ -404,7 +395,6 @@ def test_xla_fit_persistent_skips_raise():
         nan_fit(optimizer, jit_compile=True)
 
 
-@pytest.mark.xfail(strict=True, reason=XLA_SKIPS_BUG)
 def test_xla_fit_persistent_skips_warn():
     optimizer = LSO(keras.optimizers.SGD(0.1), max_consecutive_skips=3)
     with pytest.warns(RuntimeWarning, match="skip"):

@@ -239,6 +239,22 @@ def test_persistent_skips_raise_from_check_persistent_skips():
     assert int(optimizer.skipped_steps) == 3
 
 
+def test_fit_raises_on_persistent_skips_without_a_monitor():
+    """fit checks after every step (the compile patch), as under XLA on
+    TensorFlow: "raise" stops fit at the batch that reaches the limit."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1),
+        max_consecutive_skips=3,
+        on_persistent_skips="raise",
+    )
+    model.compile(optimizer=optimizer, loss="mse")
+    x = np.ones((6, 3), "float32")
+    y = np.full((6, 2), np.nan, "float32")
+    with pytest.raises(FloatingPointError, match="skipped the last 3 steps"):
+        model.fit(x, y, batch_size=1, epochs=1, verbose=0)
+
+
 def _reports(caught):
     return [w for w in caught if w.category is PersistentSkipsWarning]
 
