@@ -286,3 +286,22 @@ print("float16 recipe:", type(float16_optimizer.inner_optimizer).__name__)
 #   grows with the square root of the number of steps, and Kahan's buffer
 #   rounds in bfloat16 too, so a long stream of identical updates drifts
 #   by a few ulps (random updates do not).
+#
+# To move a model you already have: `kmp.convert(model, "bfloat16")` gives a
+# copy with bfloat16 weights (outputs kept float32) and, when the model is
+# compiled, its optimizer wrapped in `LowPrecisionOptimizer` (Kahan by
+# default; `rounding=`, `slot_dtype=` and `seed=` as above, `rounding=None`
+# for Keras's own update). `kmp doctor` lists the bytes per parameter of
+# each way to train, for when memory is what decides.
+
+small = keras.Sequential(
+    [keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(2)]
+)
+small.compile(keras.optimizers.Adam(1e-3), "mse")
+small_bf16 = kmp.convert(small, "bfloat16", slot_dtype="bfloat16")
+print(
+    "converted:",
+    small_bf16.layers[0].kernel.dtype,
+    type(small_bf16.optimizer).__name__,
+    small_bf16.optimizer.rounding,
+)

@@ -33,6 +33,7 @@ import keras
 from kmp.core.policy import PolicyLike
 from kmp.core.policy import as_policy as _to_policy
 from kmp.core.policy import policy_scope
+from kmp.tools import convert_optimizer
 from kmp.tools import models
 from kmp.tools import rebuild
 from kmp.tools.keep_float32 import KeepFloat32
@@ -44,6 +45,10 @@ def convert(
     model: keras.Model,
     policy: PolicyLike,
     keep_float32: KeepFloat32 = (),
+    *,
+    rounding=convert_optimizer.DEFAULT,
+    slot_dtype=convert_optimizer.DEFAULT,
+    seed=convert_optimizer.DEFAULT,
 ) -> keras.Model:
     """Returns a copy of `model` whose layers run under `policy`.
 
@@ -60,7 +65,10 @@ def convert(
     compiled copy with a fresh optimizer (the training state is not copied):
     Keras adds loss scaling when converting to `"mixed_float16"`, and a
     loss-scale optimizer is unwrapped when converting to a policy that does
-    not compute in float16.
+    not compute in float16. Converting a compiled model to `"bfloat16"`
+    (bfloat16 weights, half the memory of mixed precision) wraps the new
+    optimizer in `kmp.LowPrecisionOptimizer` with Kahan compensation, so
+    the copy still trains (TensorFlow; see `guides/bfloat16_weights.py`).
 
     Args:
         model: A Sequential or Functional model (a keras-hub backbone or
@@ -72,6 +80,14 @@ def convert(
             matched against layer names (`"block*_bn"`), or layer classes
             (`keras.layers.LayerNormalization`). A list, or a single entry.
             The name of a nested model keeps all of its layers in float32.
+        rounding: Only for `"bfloat16"`: how the compiled copy's optimizer
+            rounds its updates into the bfloat16 weights: `"kahan"` (the
+            default), `"stochastic"` or `"nearest"` (see
+            `kmp.LowPrecisionOptimizer`), or None for Keras's own update
+            (which stalls once updates fall below half a bfloat16 ulp).
+        slot_dtype: Only for `"bfloat16"`: the dtype of the optimizer's
+            slots (`"bfloat16"` halves them), default the weights'.
+        seed: Only for `"bfloat16"`: the stochastic-rounding seed.
 
     Returns:
         A new `keras.Model` of the same class.
@@ -80,7 +96,9 @@ def convert(
         TypeError: `model` is subclassed (rebuild it under `kmp.policy_scope`
             and load the weights instead) or not a model; `policy` or an
             entry of `keep_float32` has the wrong type.
-        ValueError: `policy` is no floating policy; a name or pattern in
+        ValueError: `rounding`, `slot_dtype` or `seed` is given for a
+            policy other than `"bfloat16"` or is not allowed; `policy` is
+            no floating policy; a name or pattern in
             `keep_float32` matches no layer (the message lists the layers); a
             layer is quantized; `model` is not built; a layer cannot be
             rebuilt from its config (a Lambda layer, for one; the message
@@ -99,6 +117,7 @@ def convert(
     'float32'
     """
     policy = _to_policy(policy, "policy")
+    wraps = convert_optimizer.check(policy, rounding, slot_dtype, seed)
     models.check_graph_model(model, "convert")
     models.check_built(
         model, "convert", "cannot tell which layers give its outputs"
@@ -120,7 +139,11 @@ def convert(
         converted = rebuild.rebuild(model, policy, float32_ids, named_ids)
     else:
         converted = _clone(model, policy, float32_ids)
-    if model.compiled and policy.compute_dtype != "float16":
+    if model.compiled and wraps:
+        convert_optimizer.compile_with_low_precision(
+            converted, model, rounding, slot_dtype, seed
+        )
+    elif model.compiled and policy.compute_dtype != "float16":
         _compile_without_loss_scaling(converted, model)
     return converted
 

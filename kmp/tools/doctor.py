@@ -3,12 +3,15 @@
 It reports the Keras backend and versions, the GPUs with their compute
 capability, the TPUs, and the CPU's bfloat16 and float16 instructions, then
 recommends a policy by the rule of `kmp.core.hardware.recommend_policy`
-(which decides from plain values, so any machine can be asked about).
+(which decides from plain values, so any machine can be asked about), and,
+for when memory rather than speed is the limit, the bytes per parameter of
+each way to train and how to get bfloat16 weights that still train.
 
 >>> environment = Environment(
 ...     "tensorflow", "2.21.0", "3.15.1", "3.11.7", gpus=(), tpus=0,
 ...     cpu_flags=frozenset({"avx512_bf16"}))
->>> print(format_report(environment).splitlines()[-3])
+>>> report = format_report(environment).splitlines()
+>>> print(next(line for line in report if line.startswith("Recommended")))
 Recommended policy: mixed_bfloat16
 """
 
@@ -131,11 +134,53 @@ def format_report(environment: Environment) -> str:
         f"Recommended policy: {policy}",
         f"  {reason}",
         f"  kmp.set_global_policy({policy!r})",
+        "",
+        *memory_advice(environment.backend),
     ]
     return "\n".join(lines)
 
 
+# Bytes per parameter of training with Adam, before activations: weights,
+# gradients, the two slots (and Kahan's compensation buffer).
+TRAINING_BYTES_PER_PARAMETER = (
+    ("float32", 16, "4 + 4 gradient + 4 + 4 slots"),
+    ("mixed_bfloat16 / mixed_float16", 16, "float32 weights and slots"),
+    ("mixed + bfloat16 slots", 12, "slot_dtype='bfloat16'"),
+    ("bfloat16 + Kahan, bfloat16 slots", 10, "2 + 2 compensation + 2 + 2 + 2"),
+    ("bfloat16 + stochastic rounding", 8, "2 + 2 gradient + 2 + 2 slots"),
+)
+
+
+def memory_advice(backend_name: str) -> list:
+    """Lines for when memory, not speed, limits training (`kmp doctor`).
+
+    >>> print(memory_advice("jax")[-1])
+      (kmp.LowPrecisionOptimizer needs the TensorFlow backend; this is jax)
+    """
+    lines = [
+        "If memory, not speed, is the limit (Adam; bytes per parameter "
+        "before activations):"
+    ]
+    lines += [
+        f"  {name:34} {size:2d}  ({what})"
+        for name, size, what in TRAINING_BYTES_PER_PARAMETER
+    ]
+    lines.append(
+        "  bfloat16 weights that still train: kmp.convert(model, "
+        "'bfloat16', rounding='kahan', slot_dtype='bfloat16') "
+        "(guides/bfloat16_weights.py)"
+    )
+    if backend_name != "tensorflow":
+        lines.append(
+            "  (kmp.LowPrecisionOptimizer needs the TensorFlow backend; "
+            f"this is {backend_name})"
+        )
+    return lines
+
+
 __all__ = [
+    "TRAINING_BYTES_PER_PARAMETER",
+    "memory_advice",
     "Environment",
     "collect_environment",
     "format_report",

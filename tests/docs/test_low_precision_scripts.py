@@ -128,3 +128,7 @@ def test_benchmark_quick_run_prints_tables_and_goals():
     assert re.search(r"\nbf16\+kahan +[\d.]+ +[\d.]+ +[\d.]+ \[", out)
     assert "Goals (issue 18):" in out
     assert re.search(r"memory bf16\+kahan: [\d.]+x of float32 <= 0.45x", out)
+
+
+def test_guide_converts_a_compiled_model_to_bfloat16_weights(guide):
+    assert "converted: bfloat16 LowPrecisionOptimizer kahan" in guide

@@ -533,3 +533,88 @@ def test_functional_subclass_without_a_full_config_is_refused():
     message = str(info.value)
     assert "_WithoutOwnConfig.from_config(model.get_config())" in message
     assert "kmp.policy_scope(policy)" in message
+
+
+# --- "bfloat16": the copy's optimizer rounds its updates (issue 18) ---------
+
+
+def _compiled_mlp(learning_rate=0.01):
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu", name="hidden"),
+            keras.layers.Dense(4, name="logits"),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(learning_rate), "mse")
+    return model
+
+
+def _batch():
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(32, 8)).astype("float32")
+    return x, (x[:, :4] * 0.5).astype("float32")
+
+
+@pytest.mark.tensorflow
+@pytest.mark.parametrize(
+    "kwargs, rounding, slot_dtype",
+    [
+        ({}, "kahan", None),
+        ({"rounding": "stochastic", "seed": 7}, "stochastic", None),
+        ({"slot_dtype": "bfloat16"}, "kahan", "bfloat16"),
+    ],
+    ids=["default_kahan", "stochastic", "bfloat16_slots"],
+)
+def test_bfloat16_copy_trains_through_a_low_precision_optimizer(
+    kwargs, rounding, slot_dtype
+):
+    model = _compiled_mlp()
+    copy = convert(model, "bfloat16", **kwargs)
+    optimizer = copy.optimizer
+    assert isinstance(optimizer, kmp.LowPrecisionOptimizer)
+    assert (optimizer.rounding, optimizer.slot_dtype) == (rounding, slot_dtype)
+    assert isinstance(optimizer.inner_optimizer, keras.optimizers.Adam)
+    assert optimizer.inner_optimizer.learning_rate.numpy() == np.float32(0.01)
+    # The output layer stays float32, as under every low-precision policy.
+    assert copy.get_layer("hidden").kernel.dtype == "bfloat16"
+    assert copy.get_layer("logits").kernel.dtype == "float32"
+    x, y = _batch()
+    before = [v.numpy() for v in copy.trainable_variables]
+    losses = copy.fit(x, y, epochs=5, batch_size=8, verbose=0).history["loss"]
+    assert losses[-1] < losses[0]
+    assert all(
+        (np.asarray(a) != b).any()
+        for a, b in zip(copy.trainable_variables, before)
+    )
+    # The original is untouched and keeps its own optimizer.
+    assert isinstance(model.optimizer, keras.optimizers.Adam)
+
+
+@pytest.mark.tensorflow
+def test_bfloat16_rounding_none_keeps_kerass_update():
+    copy = convert(_compiled_mlp(), "bfloat16", rounding=None)
+    assert type(copy.optimizer) is keras.optimizers.Adam
+
+
+@pytest.mark.parametrize(
+    "policy, kwargs, message",
+    [
+        ("mixed_float16", {"rounding": "kahan"}, "only to a policy"),
+        ("mixed_bfloat16", {"slot_dtype": "bfloat16"}, "only to a policy"),
+        ("float32", {"seed": 1}, "only to a policy"),
+        ("bfloat16", {"rounding": "round"}, "'rounding' must be one of"),
+        ("bfloat16", {"slot_dtype": "int8"}, "'slot_dtype' must be one of"),
+        ("bfloat16", {"seed": 1.5}, "'seed' must be an integer"),
+        ("bfloat16", {"rounding": None, "seed": 1}, "need a 'rounding'"),
+    ],
+)
+def test_low_precision_arguments_refused_before_anything_is_built(
+    policy, kwargs, message
+):
+    model = _compiled_mlp()
+    weights = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=message):
+        convert(model, policy, **kwargs)
+    assert all((a == b).all() for a, b in zip(model.get_weights(), weights))

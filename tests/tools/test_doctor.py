@@ -71,3 +71,30 @@ def test_collect_environment_sees_this_machine():
     assert environment.backend == "tensorflow"
     assert environment.backend_version.startswith("2.")
     assert environment.tpus == 0
+
+
+def _environment(backend):
+    return doctor.Environment(
+        backend, "x", "3.15.1", "3.11.7", (), 0, frozenset({"avx512_bf16"})
+    )
+
+
+def test_report_says_what_to_do_when_memory_is_the_limit():
+    text = doctor.format_report(_environment("tensorflow"))
+    memory = text[text.index("If memory, not speed, is the limit") :]
+    for name, size, _ in doctor.TRAINING_BYTES_PER_PARAMETER:
+        assert f"  {name:34} {size:2d}  (" in memory
+    assert "kmp.convert(model, 'bfloat16', rounding='kahan'" in memory
+    assert "needs the TensorFlow backend" not in memory
+    # The memory advice comes after the (speed) recommendation.
+    assert text.index("Recommended policy") < text.index("If memory")
+
+
+def test_bytes_per_parameter_fall_with_each_step_to_bfloat16():
+    sizes = [size for _, size, _ in doctor.TRAINING_BYTES_PER_PARAMETER]
+    assert sizes == [16, 16, 12, 10, 8]
+
+
+def test_memory_advice_names_the_backend_it_needs():
+    text = doctor.format_report(_environment("torch"))
+    assert "needs the TensorFlow backend; this is torch" in text

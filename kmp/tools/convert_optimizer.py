@@ -1,0 +1,101 @@
+"""The optimizer of a converted copy: compensated updates for bfloat16.
+
+Under the `"bfloat16"` policy the weights themselves are bfloat16, and a
+Keras optimizer's update rounds to 8 bits of mantissa: updates smaller than
+half a unit in the last place vanish and training stalls. `convert` to
+`"bfloat16"` therefore compiles the copy of a compiled model with its
+optimizer wrapped in `kmp.LowPrecisionOptimizer` (Kahan compensation by
+default; `rounding="stochastic"`; `slot_dtype="bfloat16"` halves the
+slots too). `rounding=None` keeps Keras's plain update. TensorFlow only,
+like `LowPrecisionOptimizer`.
+"""
+
+import keras
+
+from kmp.core import backend
+
+DEFAULT = object()  # `rounding` not passed
+ROUNDINGS = ("kahan", "stochastic", "nearest")
+SLOT_DTYPES = ("bfloat16", "float16", "float32")  # as LowPrecisionOptimizer
+
+
+def check(policy, rounding, slot_dtype, seed) -> bool:
+    """Validates `convert`'s low-precision arguments for `policy`.
+
+    Returns whether the copy's optimizer gets wrapped. Raises ValueError
+    naming the value and what is allowed; nothing is built yet.
+    """
+    given = {
+        name: value
+        for name, value in (
+            ("rounding", rounding),
+            ("slot_dtype", slot_dtype),
+            ("seed", seed),
+        )
+        if value is not DEFAULT and value is not None
+    }
+    if policy.variable_dtype != "bfloat16":
+        if given:
+            name, value = next(iter(given.items()))
+            raise ValueError(
+                f"'{name}' applies only to a policy that stores its "
+                "variables in bfloat16 ('bfloat16'); the target policy "
+                f"{policy.name!r} stores them in {policy.variable_dtype}. "
+                f"Received: {name}={value!r}"
+            )
+        return False
+    if rounding is not DEFAULT and rounding not in (*ROUNDINGS, None):
+        raise ValueError(
+            f"'rounding' must be one of {', '.join(map(repr, ROUNDINGS))} "
+            f"or None (Keras's plain bfloat16 update). Received: "
+            f"rounding={rounding!r}"
+        )
+    if slot_dtype not in (DEFAULT, None, *SLOT_DTYPES):
+        raise ValueError(
+            f"'slot_dtype' must be one of {', '.join(map(repr, SLOT_DTYPES))}"
+            f" or None (the variables' dtype). Received: "
+            f"slot_dtype={slot_dtype!r}"
+        )
+    if seed not in (DEFAULT, None) and (
+        isinstance(seed, bool) or not isinstance(seed, int)
+    ):
+        raise ValueError(
+            f"'seed' must be an integer or None. Received: seed={seed!r}"
+        )
+    if rounding is None:
+        if given:
+            raise ValueError(
+                "'slot_dtype' and 'seed' need a 'rounding'; rounding=None "
+                "keeps Keras's plain update. Received: "
+                + ", ".join(f"{k}={v!r}" for k, v in given.items())
+            )
+        return False
+    if not backend.is_tensorflow():
+        if rounding is DEFAULT and not given:
+            return False  # Nothing asked for: Keras's update, as elsewhere.
+        raise ValueError(
+            "kmp.LowPrecisionOptimizer (convert's 'rounding') needs Keras's "
+            f"TensorFlow backend; Keras runs on {backend.name()}. Pass "
+            "rounding=None for Keras's plain bfloat16 update."
+        )
+    return True
+
+
+def compile_with_low_precision(converted, model, rounding, slot_dtype, seed):
+    """Compiles `converted` like `model`, with a new optimizer like the
+    model's (its inner one, if loss-scaled) in `LowPrecisionOptimizer`."""
+    from kmp.core.low_precision import LowPrecisionOptimizer
+
+    config = model.get_compile_config()
+    inner = model.optimizer
+    if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+        inner = inner.inner_optimizer
+    inner = type(inner).from_config(inner.get_config())  # new, not built
+    wrapped = LowPrecisionOptimizer(
+        inner,
+        rounding="kahan" if rounding is DEFAULT else rounding,
+        slot_dtype=None if slot_dtype is DEFAULT else slot_dtype,
+        seed=None if seed is DEFAULT else seed,
+    )
+    converted.compile_from_config(config)
+    converted.optimizer = wrapped
