@@ -292,6 +292,13 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
         arguments.check_learning_rate(value)
         self._inner_optimizer.learning_rate = value
 
+    def __setattr__(self, name, value):
+        # Keras's optimizer tracks a variable assigned to an attribute
+        # before a property setter runs: check the learning rate first.
+        if name == "learning_rate" and "_inner_optimizer" in self.__dict__:
+            arguments.check_learning_rate(value)
+        super().__setattr__(name, value)
+
     # --- Scaling ------------------------------------------------------------
 
     def scale_loss(self, loss):

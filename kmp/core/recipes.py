@@ -15,7 +15,9 @@ after `scale_loss`, what reaches `apply_gradients` is still taken as scaled,
 unless it is exactly what `get_unscaled_gradients` returned (the same
 tensors). Anything else there after both calls is ambiguous and refused.
 The decision is made in Python, when a step runs eagerly or is traced, so
-it costs nothing per step.
+it costs nothing per step. A thread that applies gradients without having
+called any of these on the optimizer (gradients computed in one thread,
+applied in another) follows the thread that called them last.
 """
 
 import threading
@@ -56,12 +58,25 @@ class Recipes:
 
     def __init__(self):
         self._local = threading.local()
+        self._last: Optional[_ThreadState] = None  # the latest one written
 
-    def _state(self) -> _ThreadState:
+    def _own(self) -> _ThreadState:
+        """This thread's state, for the calls that record something."""
         state = getattr(self._local, "state", None)
         if state is None:
             state = self._local.state = _ThreadState()
+        self._last = state
         return state
+
+    def _state(self) -> _ThreadState:
+        """The state that decides for this thread: its own, or, if it has
+        recorded nothing, the latest thread's."""
+        state = getattr(self._local, "state", None)
+        if state is not None and (state.recipe is not None or state.outputs):
+            return state
+        if self._last is not None:
+            return self._last
+        return self._own()
 
     @property
     def recipe(self) -> Optional[str]:
@@ -70,13 +85,13 @@ class Recipes:
 
     def scale_called(self, recipe: str) -> None:
         """`scale_loss` (SCALED) or `get_scaled_loss` (UNSCALED) was called."""
-        state = self._state()
+        state = self._own()
         state.recipe = recipe
         state.forget_unscaled()
 
     def unscale_called(self, inputs: List, outputs: List) -> None:
         """`get_unscaled_gradients` turned `inputs` into `outputs`."""
-        state = self._state()
+        state = self._own()
         state.forget_unscaled()
         for given, made in zip(inputs, outputs):
             if made is None:

@@ -50,6 +50,13 @@ def apply(
             f"Received {len(grads)} gradients and "
             f"{len(trainable_variables)} values."
         )
+    if backend.is_tensorflow():
+        # As Keras's optimizers: a TensorFlow step is stateful. (Checked
+        # after the arguments, so a wrong call says what is wrong first.)
+        raise ValueError(
+            "stateless_apply is not supported with the TensorFlow backend "
+            "(as for Keras's optimizers): use apply_gradients."
+        )
     if scaled is None:
         scaled = optimizer._recipes.grads_are_scaled(grads)
     grads = steps.raw_overwrite_gradients(optimizer, grads, variables)

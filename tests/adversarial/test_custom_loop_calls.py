@@ -400,14 +400,6 @@ def test_stateless_calls_check_their_arguments(setup):
         unbuilt.stateless_apply([], [], [])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="KMP BUG: on TensorFlow, stateless_apply with finite gradients "
-    "fails with Keras's 'stateless_apply is not supported with the "
-    "TensorFlow backend' from inside a Cond, while with non-finite ones it "
-    "returns values (stateless.apply runs the inner stateless_apply in "
-    "ops.cond); it should refuse up front, or work",
-)
 @pytest.mark.parametrize("finite", [True, False], ids=["finite", "nan"])
 def test_stateless_apply_on_tensorflow_is_consistent(setup, finite):
     optimizer, a, b = setup

@@ -279,25 +279,7 @@ BAD_RATES = {
 }
 
 
-def _bad_rate_param(name):
-    if name != "nan_keras_variable":
-        return name
-    return pytest.param(
-        name,
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="KMP BUG: a refused `optimizer.learning_rate = "
-            "keras.Variable(nan)` still adds the variable to "
-            "optimizer.variables (Keras's Optimizer.__setattr__ tracks it "
-            "before kmp's property setter checks it), which changes the "
-            "optimizer's .keras layout",
-        ),
-    )
-
-
-@pytest.mark.parametrize(
-    "rate", [_bad_rate_param(name) for name in BAD_RATES], ids=list(BAD_RATES)
-)
+@pytest.mark.parametrize("rate", list(BAD_RATES))
 def test_bad_learning_rate_refused(rate):
     optimizer, variable = trained()
     with refused((TypeError, ValueError), "learning_rate", optimizer, variable):

@@ -200,13 +200,6 @@ def test_gradients_computed_in_one_function_applied_in_another():
     assert_bits_equal(values(model), reference("adam", "tf_function"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="KMP BUG: the recipe is recorded per thread (recipes.Recipes uses "
-    "threading.local), so gradients of scale_loss computed in one thread "
-    "and applied in another are taken as unscaled: the update is 32768x "
-    "too large, silently",
-)
 def test_gradients_computed_in_one_thread_applied_in_another():
     model = dense_model()
     optimizer = LSO(INNERS["sgd"]())
