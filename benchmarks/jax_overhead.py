@@ -1,0 +1,224 @@
+"""Loss-scaling overhead and bfloat16 speed-up on Keras's JAX backend.
+
+For the two benchmark models of `loss_scale_overhead.py` (the
+784-4096-4096-10 MLP and `many_small`, 100 Dense layers of 32 units: 202
+variables), under mixed_float16, one jitted training step of
+
+* Adam alone (the reference: no loss scaling),
+* `kmp.LossScaleOptimizer(Adam)`, and the same without the persistent-skips
+  report (`max_consecutive_skips=None`, which removes the host callback
+  from the jitted step),
+* Keras 3's own `keras.optimizers.LossScaleOptimizer(Adam)`,
+
+in `fit` (Keras's jitted `train_on_batch`) and in the JAX custom loop
+Keras documents (`jax.value_and_grad` over `stateless_call`, then
+`stateless_apply`, in one `jax.jit`; kmp through `stateless_scale_loss` /
+`stateless_unscale_gradients`, Keras's through gradients of the scaled loss,
+which its `stateless_apply` unscales). Overhead = step time over Adam
+alone's, minus one, measured round by round in one process
+(`kmp.tools.timing`). Then the bfloat16 speed-up: float32 over
+mixed_bfloat16 step time, Adam alone, same models.
+
+    KERAS_BACKEND=jax python benchmarks/jax_overhead.py [--quick]
+        [--models mlp,many_small] [--rounds 6] [--steps 10]
+
+The same sizes as the TensorFlow benchmarks (MLP batch 256, many_small
+batch 64); `--quick` shrinks everything to a smoke run of seconds.
+"""
+
+import argparse
+import os
+import platform
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kmp  # noqa: E402
+from kmp.tools import timing  # noqa: E402
+
+SIZES = {
+    "mlp": {"inputs": 784, "units": 4096, "layers": 2, "batch": 256},
+    "many_small": {"inputs": 32, "units": 32, "layers": 100, "batch": 64},
+}
+QUICK_SIZES = {
+    "mlp": {"inputs": 784, "units": 64, "layers": 2, "batch": 16},
+    "many_small": {"inputs": 32, "units": 32, "layers": 4, "batch": 16},
+}
+GOALS = {"mlp": 0.03, "many_small": 0.10}  # issue 16: kmp's overhead
+CLASSES = 10
+LABELS = {
+    "kmp": "kmp.LossScaleOptimizer",
+    "kmp_quiet": "  the same, max_consecutive_skips=None",
+    "keras": "keras.optimizers.LossScaleOptimizer",
+}
+
+
+def build_model(sizes):
+    hidden = [
+        keras.layers.Dense(sizes["units"], activation="relu")
+        for _ in range(sizes["layers"])
+    ]
+    logits = keras.layers.Dense(CLASSES, dtype="float32")
+    return keras.Sequential([keras.Input((sizes["inputs"],)), *hidden, logits])
+
+
+def make_optimizer(kind):
+    adam = keras.optimizers.Adam(1e-4)
+    if kind == "kmp":
+        return kmp.LossScaleOptimizer(adam)
+    if kind == "kmp_quiet":  # no persistent-skips report (no host callback)
+        return kmp.LossScaleOptimizer(adam, max_consecutive_skips=None)
+    if kind == "keras":
+        return keras.optimizers.LossScaleOptimizer(adam)
+    return adam
+
+
+class Subject:
+    """One configuration: a model, an optimizer and a jitted step."""
+
+    def __init__(self, name, sizes, policy, kind, loop):
+        self.label = f"{name} {policy} {kind} {loop}"
+        keras.utils.set_random_seed(0)
+        rng = np.random.default_rng(0)
+        batch = sizes["batch"]
+        self.x = rng.normal(size=(batch, sizes["inputs"])).astype("float32")
+        self.y = rng.integers(0, CLASSES, size=(batch,)).astype("int32")
+        with kmp.policy_scope(policy):
+            self.model = build_model(sizes)
+        self.optimizer = make_optimizer(kind)
+        self.loss_fn = keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True
+        )
+        if loop == "fit":
+            self.model.compile(self.optimizer, self.loss_fn, jit_compile=True)
+            self.step = self._fit_step
+        else:
+            self.optimizer.build(self.model.trainable_variables)
+            self._jitted = jax.jit(self._loop_step(kind))
+            self._state = (
+                [v.value for v in self.model.trainable_variables],
+                [v.value for v in self.model.non_trainable_variables],
+                [v.value for v in self.optimizer.variables],
+            )
+            self.step = self._custom_step
+
+    def _fit_step(self):
+        return self.model.train_on_batch(self.x, self.y)
+
+    def _loop_step(self, kind):
+        model, optimizer, loss_fn = self.model, self.optimizer, self.loss_fn
+
+        def step(state, x, y):
+            trainable, non_trainable, opt_values = state
+
+            def loss_of(trainable):
+                y_pred, non_trainable_after = model.stateless_call(
+                    trainable, non_trainable, x, training=True
+                )
+                loss = loss_fn(y, y_pred)
+                if kind.startswith("kmp"):
+                    scaled = optimizer.stateless_scale_loss(opt_values, loss)
+                elif kind == "keras":
+                    scaled = optimizer.scale_loss(loss)
+                else:
+                    scaled = loss
+                return scaled, (loss, non_trainable_after)
+
+            (_, (loss, non_trainable)), grads = jax.value_and_grad(
+                loss_of, has_aux=True
+            )(trainable)
+            if kind.startswith("kmp"):
+                grads = optimizer.stateless_unscale_gradients(opt_values, grads)
+                trainable, opt_values = optimizer.stateless_apply(
+                    opt_values, grads, trainable, scaled=False
+                )
+            else:
+                trainable, opt_values = optimizer.stateless_apply(
+                    opt_values, grads, trainable
+                )
+            return (trainable, non_trainable, opt_values), loss
+
+        return step
+
+    def _custom_step(self):
+        self._state, loss = self._jitted(self._state, self.x, self.y)
+        return loss
+
+
+def run(subjects, args):
+    timings = timing.measure(
+        subjects,
+        rounds=args.rounds,
+        steps=args.steps,
+        warmup_min=args.warmup_min,
+        warmup_max=args.warmup_max,
+    )
+    return timings
+
+
+def median_ms(t):
+    return 1000 * float(np.median(t.times))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="mlp,many_small")
+    parser.add_argument("--loops", default="fit,custom")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup-min", type=int, default=5)
+    parser.add_argument("--warmup-max", type=int, default=40)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.steps, args.warmup_min, args.warmup_max = 2, 3, 1, 3
+    sizes_of = QUICK_SIZES if args.quick else SIZES
+    print(
+        f"JAX {jax.__version__}, Keras {keras.__version__}, "
+        f"devices {jax.devices()}, CPU {platform.processor() or '?'}"
+    )
+    print("overhead: step time / Adam alone's - 1, median over rounds")
+    kinds = ("adam", "kmp", "kmp_quiet", "keras")
+    for name in args.models.split(","):
+        for loop in args.loops.split(","):
+            subjects = [
+                Subject(name, sizes_of[name], "mixed_float16", kind, loop)
+                for kind in kinds
+            ]
+            t = run(subjects, args)
+            adam = t[subjects[0].label]
+            print(f"{name} / {loop}: Adam alone {median_ms(adam):.2f} ms")
+            for subject, kind in zip(subjects[1:], kinds[1:]):
+                r = timing.ratio(t[subject.label], adam)
+                goal = ""
+                if kind == "kmp":
+                    met = r.median - 1 <= GOALS[name]
+                    goal = f"  goal <= {GOALS[name]:+.0%}: " + (
+                        "met" if met else "not met"
+                    )
+                print(
+                    f"  {LABELS[kind]:38} {r.median - 1:+7.1%} "
+                    f"[{r.low - 1:+.1%}, {r.high - 1:+.1%}]{goal}"
+                )
+    print("bfloat16 speed-up: float32 step time / mixed_bfloat16's, Adam")
+    for name in args.models.split(","):
+        for loop in args.loops.split(","):
+            subjects = [
+                Subject(name, sizes_of[name], policy, "adam", loop)
+                for policy in ("float32", "mixed_bfloat16")
+            ]
+            t = run(subjects, args)
+            f32, bf16 = (t[s.label] for s in subjects)
+            r = timing.ratio(f32, bf16)
+            print(
+                f"{name:11} {loop:7} {r.median:.2f}x [{r.low:.2f}-"
+                f"{r.high:.2f}]   (float32 {median_ms(f32):.2f} ms, "
+                f"bfloat16 {median_ms(bf16):.2f} ms)"
+            )
+
+
+if __name__ == "__main__":
+    main()
