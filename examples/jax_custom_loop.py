@@ -6,7 +6,9 @@ Keras documents this loop for JAX: `jax.value_and_grad` over
 calls Keras 3 lacks, in their stateless form: `stateless_scale_loss` and
 `stateless_unscale_gradients` read the scale from the optimizer values the
 step receives, so the compiled step always uses the current scale, and
-`stateless_apply` skips a step whose gradients overflowed.
+`stateless_apply` skips a step whose gradients overflowed. A jitted step
+cannot warn: `check_persistent_skips(optimizer_values)` after the step does
+(`fit` does it by itself).
 
     KERAS_BACKEND=jax python examples/jax_custom_loop.py
 
@@ -75,6 +77,9 @@ def main() -> None:
         for start in range(0, len(x_train), BATCH_SIZE):
             batch = slice(start, start + BATCH_SIZE)
             state, loss = train_step(state, x_train[batch], y_train[batch])
+            # Warns (or raises) after max_consecutive_skips skips in a row:
+            # the jitted step cannot, so the loop asks, with its own state.
+            optimizer.check_persistent_skips(state[2])
         losses.append(float(loss))
     # Write the final state back into the model and the optimizer.
     trainable, non_trainable, optimizer_values = state

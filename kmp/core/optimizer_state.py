@@ -154,15 +154,6 @@ class StateMixin:
                 stacklevel=2,
             )
 
-    def note_persistent_skips(self, in_a_row, scale) -> None:
-        """`report_persistent_skips` from inside a compiled step (a JAX host
-        callback): never raises there; "raise" is kept for
-        `check_persistent_skips`, which raises it from Python."""
-        try:
-            self.report_persistent_skips(in_a_row, scale)
-        except FloatingPointError as error:
-            self._pending_persistent_skips = error
-
     def report_persistent_skips_now(self) -> None:
         """`report_persistent_skips` on the variables' values (eagerly)."""
         if self._max_consecutive_skips is None:
@@ -172,34 +163,36 @@ class StateMixin:
             ops.convert_to_numpy(self.dynamic_scale),
         )
 
-    def check_persistent_skips(self) -> None:
+    def check_persistent_skips(self, optimizer_variables=None) -> None:
         """Warns or raises now if too many steps in a row were skipped.
 
-        For steps compiled by XLA (`jit_compile=True`, JAX's `jit`), where
-        Python cannot raise inside the step: `kmp.callbacks.LossScaleMonitor`
-        calls it after every batch of `fit`; call it in a custom loop.
+        For steps compiled by XLA (`jit_compile=True` on TensorFlow, JAX's
+        `jit`), which cannot warn or raise from inside: `fit` calls it after
+        every step by itself (the `compile` patch); in a JAX loop over
+        `stateless_apply`, call it with the step's optimizer values, after
+        every step or every few hundred (it reads two numbers).
 
-        On JAX it first waits for the host callbacks of the steps run so
-        far (which record what a jitted step found); inside `fit`, where
-        Keras's JAX trainer holds the variables' values, that record is all
-        it reads.
+        Args:
+            optimizer_variables: Values of `optimizer.variables` (a JAX
+                loop's state); None reads the variables.
 
         Raises:
             FloatingPointError: with `on_persistent_skips="raise"`.
         """
-        if backend.is_jax():
-            import jax
-
-            jax.effects_barrier()
-        pending = self.__dict__.pop("_pending_persistent_skips", None)
-        if pending is not None:
-            raise pending
-        if any(
-            getattr(v, "_value", True) is None
-            for v in (self.consecutive_skips_variable, self.dynamic_scale)
-        ):
-            return  # Held by Keras's JAX trainer: the callbacks report.
-        self.report_persistent_skips_now()
+        if self._max_consecutive_skips is None:
+            return
+        if optimizer_variables is not None:
+            values = dict(zip(map(id, self.variables), optimizer_variables))
+            in_a_row = values[id(self.consecutive_skips_variable)]
+            scale = values[id(self.dynamic_scale)]
+        else:
+            variables = (self.consecutive_skips_variable, self.dynamic_scale)
+            if any(getattr(v, "_value", True) is None for v in variables):
+                return  # Held by Keras's JAX trainer: fit checks its state.
+            in_a_row, scale = variables
+        self.report_persistent_skips(
+            ops.convert_to_numpy(in_a_row), ops.convert_to_numpy(scale)
+        )
 
     # --- Saving and restoring -----------------------------------------------
 

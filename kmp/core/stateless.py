@@ -142,25 +142,16 @@ def scale_of(optimizer, optimizer_variables):
 
 
 def _report(optimizer, in_a_row, scale):
-    """The persistent-skips report, now or (in a JAX trace) from the host."""
-    limit = optimizer._max_consecutive_skips
-    if limit is None:
+    """The persistent-skips report, now; in a JAX trace, left to
+    `check_persistent_skips` on the step's results (which `fit` calls
+    after every step): a host callback inside the step would cost more
+    than the rest of the loss scaling on models of many small variables."""
+    if optimizer._max_consecutive_skips is None:
         return
     if backend.is_jax():
         import jax
 
         if isinstance(in_a_row, jax.core.Tracer):
-
-            def host_report(in_a_row, scale):
-                # Raising here would stop one device of a sharded step and
-                # leave the others waiting: "raise" waits for Python.
-                optimizer.note_persistent_skips(in_a_row, scale)
-
-            jax.lax.cond(
-                in_a_row >= limit,
-                lambda: jax.debug.callback(host_report, in_a_row, scale),
-                lambda: None,
-            )
             return
     optimizer.report_persistent_skips(
         ops.convert_to_numpy(in_a_row), ops.convert_to_numpy(scale)

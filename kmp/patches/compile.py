@@ -21,10 +21,11 @@ guarantees: a scale never below 1 nor inf, skipped steps that leave
 A `LossScaleOptimizer` the user passes (Keras's or kmp's) is kept as it is.
 
 Where a kmp optimizer's step cannot report persistent skips from inside
-itself (`jit_compile=True` on TensorFlow: XLA runs no Python; JAX's jitted
-step with `on_persistent_skips="raise"`), `fit`'s train function calls
-`optimizer.check_persistent_skips()` after every call, so the warning
-appears and "raise" stops `fit`, with or without `LossScaleMonitor`.
+itself (`jit_compile=True` on TensorFlow: XLA runs no Python; every JAX
+step), `fit`'s train function calls `optimizer.check_persistent_skips()`
+after every call (on JAX with the optimizer values the step returned), so
+the warning appears and "raise" stops `fit`, with or without
+`LossScaleMonitor`.
 """
 
 import importlib
@@ -102,8 +103,7 @@ def _needs_skip_check(model) -> bool:
     if optimizer.max_consecutive_skips is None or model.run_eagerly:
         return False
     if backend.is_jax():
-        # The jitted step warns through a host callback; it cannot raise.
-        return optimizer.on_persistent_skips == "raise"
+        return True  # Every JAX step is jitted.
     return bool(model.jit_compile)
 
 
@@ -121,7 +121,15 @@ def make_train_function(original, self, force=False):
 
         def train_function(*args, **kwargs):
             outputs = function(*args, **kwargs)
-            optimizer.check_persistent_skips()
+            if not backend.is_jax():
+                optimizer.check_persistent_skips()
+                return outputs
+            # (logs, state), the optimizer's values in state[2].
+            try:
+                optimizer.check_persistent_skips(outputs[1][2])
+            except FloatingPointError:
+                _write_back(self, outputs[1])  # fit stops mid-epoch
+                raise
             return outputs
 
         train_function.__kmp_checks_skips__ = True
@@ -129,6 +137,21 @@ def make_train_function(original, self, force=False):
         if returned is function:
             returned = train_function
     return returned
+
+
+def _write_back(model, state):
+    """Hands a JAX train step's state to Keras, which assigns it to the
+    variables when `fit` ends, also by an exception (as a callback that
+    syncs the state would): the step donated the previous state's buffers.
+    """
+    names = (
+        "trainable_variables",
+        "non_trainable_variables",
+        "optimizer_variables",
+        "metrics_variables",
+    )
+    model._jax_state = dict(zip(names, state))
+    model._jax_state_synced = False
 
 
 def _trainer_targets():

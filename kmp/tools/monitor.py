@@ -108,10 +108,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
     When the model's steps are compiled by XLA (`jit_compile=True`, the
     default on JAX), the optimizer cannot warn or raise about persistent
     skips (`max_consecutive_skips`, `on_persistent_skips`) inside a step;
-    this callback runs its `check_persistent_skips()` after every batch, so
-    `"raise"` stops `fit` with a `FloatingPointError` at the batch that
-    reaches the limit. That costs one variable read per batch on TensorFlow
-    (and waiting for the step's host callbacks on JAX).
+    `fit` checks after every step by itself (kmp's `compile` patch), and
+    this callback checks after every batch too (one variable read on
+    TensorFlow, where it also works with that patch off), so `"raise"`
+    stops `fit` with a `FloatingPointError` at the batch that reaches the
+    limit.
 
     The model must be compiled with a `kmp.LossScaleOptimizer` (which
     `model.compile` provides by itself under `"mixed_float16"`); otherwise
@@ -300,8 +301,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def _check_persistent_skips(self):
         """`check_persistent_skips()`, for steps compiled by XLA."""
         optimizer = self._optimizer
-        # On JAX it waits for the step's host callback and raises what that
-        # recorded; on TensorFlow one read per batch decides.
+        # On JAX, inside fit, Keras holds the values: fit's own check (the
+        # compile patch) reads them; on TensorFlow one read per batch.
         if backend.is_jax():
             optimizer.check_persistent_skips()
         elif int(optimizer.consecutive_skips) >= self._skip_limit:

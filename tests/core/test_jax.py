@@ -209,7 +209,6 @@ def _skip_run(optimizer, factors):
     def run(factor):
         nonlocal state
         state, _ = step(state, x, y, factor)
-        jax.effects_barrier()  # The host callback has run.
         _assign(model, optimizer, state)
 
     for factor in factors:
@@ -237,6 +236,29 @@ def test_persistent_skips_raise_from_check_persistent_skips():
     optimizer.check_persistent_skips()  # A finite step ends the run.
     assert int(optimizer.iterations) == 2
     assert int(optimizer.skipped_steps) == 3
+
+
+def test_jitted_loop_checks_persistent_skips_on_its_own_state():
+    """No host callback in the step: the loop checks the values it holds,
+    without assigning them to the variables."""
+    model = training.model()
+    optimizer = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1),
+        max_consecutive_skips=2,
+        on_persistent_skips="raise",
+    )
+    optimizer.build(model.trainable_variables)
+    step = _jitted_step(model, optimizer)
+    x, y = backends.tensor(X[:BATCH_SIZE]), backends.tensor(Y[:BATCH_SIZE])
+    state = _state_of(model, optimizer)
+    state, _ = step(state, x, y, INF)
+    optimizer.check_persistent_skips(state[2])  # One skip: below the limit.
+    state, _ = step(state, x, y, NAN)
+    with pytest.raises(FloatingPointError, match="skipped the last 2 steps"):
+        optimizer.check_persistent_skips(state[2])
+    # The variables were never assigned: they hold no skips.
+    optimizer.check_persistent_skips()
+    assert int(optimizer.skipped_steps) == 0
 
 
 def test_fit_raises_on_persistent_skips_without_a_monitor():
