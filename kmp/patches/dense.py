@@ -4,11 +4,11 @@ The usual mixed-precision model ends in a float32 layer (`Dense(10,
 dtype="float32")`). Fed bfloat16 or float16 activations, Keras casts them to
 float32 before the matrix product, and the product's gradient keeps that
 float32 copy - twice the bytes of the activations - alive from the forward
-pass until the backward pass reaches the layer. On the benchmark MLP
-(784-4096-4096-10, batch 8192) that is a 128 MiB float32 copy of the last
-hidden layer, the largest single reason bfloat16 training needed 0.87x of
-float32's memory rather than about half (`python
-benchmarks/memory_breakdown.py --models mlp`).
+pass until the backward pass reaches the layer. On the benchmark MLP that
+copy of the last hidden layer is the largest single reason bfloat16
+training needed far more than half of float32's memory (`python
+benchmarks/memory_breakdown.py --models mlp`; numbers in
+`benchmarks/README.md`).
 
 The patch makes `keras.layers.Dense` keep the low-precision tensor for its
 backward pass instead and cast it again there. A cast to a wider type is

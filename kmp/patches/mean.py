@@ -4,9 +4,9 @@ Keras 3's `keras.ops.mean` on TensorFlow casts a low-precision input to
 float32, reduces, and casts the result back, because TensorFlow's float16
 mean could overflow. Under `mixed_bfloat16` that float32 copy, and the float32
 gradient of the same size in the backward pass, are the largest tensors of
-layers such as `GlobalAveragePooling2D`: on the benchmark CNN they are why
-bfloat16 training needed 0.63x of float32's memory, where Keras 2 needed
-0.52-0.56x (`python benchmarks/memory_breakdown.py --models cnn`).
+layers such as `GlobalAveragePooling2D` (measured with
+`python benchmarks/memory_breakdown.py --models cnn`; numbers in
+`benchmarks/README.md`).
 
 bfloat16 has float32's range, so its mean cannot overflow, and TensorFlow's
 bfloat16 `reduce_mean` adds up in float32 without a float32 copy of the
