@@ -1,10 +1,10 @@
 """Which of kmp's own modules pytest collects (for their doctests).
 
 `setup.cfg` runs the docstring examples of `kmp/` and `kmp_cli/` too. The
-modules below need Keras's TensorFlow backend: they raise at import on
-another one, so there they are not collected. Everything else in `kmp/`
-must import, and its examples pass, on every backend. (The test set-up
-proper is `tests/conftest.py`.)
+modules below need Keras's TensorFlow backend (the `torch_*.py` ones its
+torch backend): they fail at import on another one, so there they are not
+collected. Everything else in `kmp/` must import, and its examples pass, on
+every backend. (The test set-up proper is `tests/conftest.py`.)
 """
 
 import fnmatch
@@ -28,16 +28,20 @@ TENSORFLOW_ONLY_MODULES = (
     "kmp/tools/bench.py",
     "kmp/tools/testing.py",
 )
+TORCH_ONLY_MODULES = ("kmp/core/torch_*.py",)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def pytest_ignore_collect(collection_path, config):
-    """True (do not collect) for a TensorFlow-only module off TensorFlow."""
-    if keras.backend.backend() == "tensorflow":
-        return None
+    """True (do not collect) for a module of another backend than Keras's."""
+    backend = keras.backend.backend()
     relative = os.path.relpath(str(collection_path), _HERE)
     relative = relative.replace(os.sep, "/")
-    if any(fnmatch.fnmatch(relative, p) for p in TENSORFLOW_ONLY_MODULES):
+    other_backends = {
+        "tensorflow": TORCH_ONLY_MODULES,
+        "torch": TENSORFLOW_ONLY_MODULES,
+    }.get(backend, TENSORFLOW_ONLY_MODULES + TORCH_ONLY_MODULES)
+    if any(fnmatch.fnmatch(relative, p) for p in other_backends):
         return True
     return None

@@ -8,7 +8,8 @@ and in a row) and the hysteresis count. Every step it
 * sums them across replicas, once (TensorFlow's `tf.distribute`);
 * divides them by the scale if they are scaled;
 * checks them for inf/NaN (after aggregation, so every replica decides
-  alike) and applies them with the inner optimizer only if all are finite:
+  alike; `torch.distributed` processes agree on it) and applies them with
+  the inner optimizer only if all are finite:
   a skipped step ends with the variables, the inner optimizer's slots and
   `iterations` exactly as they were;
 * assigns the state `kmp.core.loss_scale.ScaleRule.next` returns (a fixed
@@ -82,6 +83,10 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
 
     On JAX, `stateless_scale_loss` / `stateless_unscale_gradients` take the
     optimizer's variables explicitly, for loops over `stateless_apply`.
+
+    A step not finite on one replica or process is skipped on all. Under
+    `torch.distributed`, every process calls `apply_gradients` at each step
+    (the processes agree on the check: `kmp.core.torch_distributed`).
 
     Args:
         inner_optimizer: The Keras optimizer to wrap (not a loss-scale one).

@@ -5,12 +5,17 @@ the step is applied: all gradients finite, and a finite learning rate (a
 NaN learning rate would write NaN into every weight). `apply_eagerly` runs a
 whole step where values are concrete (torch, TensorFlow eagerly).
 TensorFlow's graphs and `tf.distribute` are `kmp.core.tf_steps`; JAX's pure
-step is `kmp.core.stateless`.
+step is `kmp.core.stateless`; under `torch.distributed` the flags are agreed
+across processes by `kmp.core.torch_distributed`.
 """
 
 from keras import ops
 
+from kmp.core import backend
 from kmp.core import scaling
+
+if backend.is_torch():
+    from kmp.core import torch_distributed
 
 
 def raw_overwrite_gradients(optimizer, grads, variables):
@@ -63,6 +68,10 @@ def prepare(optimizer, grads, variables, scaled):
     if rate is not None:
         apply_ok = ops.logical_and(
             finite, ops.all(ops.isfinite(ops.cast(rate, "float32")))
+        )
+    if backend.is_torch():
+        finite, apply_ok, per_gradient = torch_distributed.agree(
+            finite, apply_ok, per_gradient
         )
     return grads, finite, apply_ok, per_gradient
 

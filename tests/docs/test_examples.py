@@ -49,8 +49,14 @@ def test_every_example_is_tested():
         "gan.py",
     }
     shared = {"digits.py"}  # The data and model the examples import.
-    # Run by tests/core/test_jax.py and test_torch.py, on their backends.
-    other_backends = {"jax_custom_loop.py", "torch_custom_loop.py"}
+    # Run by tests/core/test_jax.py, test_torch.py, test_jax_multiprocess.py
+    # and test_torch_distributed.py, on their backends.
+    other_backends = {
+        "jax_custom_loop.py",
+        "jax_multiprocess.py",
+        "torch_custom_loop.py",
+        "torch_ddp.py",
+    }
     assert {
         path.name for path in (scripts.ROOT / FOLDER).glob("*.py")
     } == tested | shared | other_backends
