@@ -197,7 +197,7 @@ def _escape_bars(lines: List[str]) -> None:
 # TF_CPP_MIN_LOG_LEVEL; they say nothing about the code on the page.
 _TENSORFLOW_LOG = re.compile(
     r"^(WARNING: All log messages before absl::InitializeLog\(\) is called "
-    r"are written to STDERR|[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ "
+    r"are written to STDERR|[IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ "
     r"\S+\.cc:\d+\] .*)$"
 )
 
