@@ -31,7 +31,7 @@ fi
 echo "installed in $(( $(date +%s) - started )) s"
 
 rm -rf docs/_build
-KMP_DOCS_EXECUTE=force python -m sphinx -W --keep-going -q -b html \
+KMP_DOCS_EXECUTE=force python -m sphinx -j auto -W --keep-going -q -b html \
   docs docs/_build/html
 echo "built in $(( $(date +%s) - started )) s"
 python .ci/docs_browser.py docs/_build/html "$logs/docs"

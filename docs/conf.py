@@ -54,7 +54,6 @@ exclude_patterns = [
     "_build",
     "_ext",
     "conf.py",
-    "guides/README.md",
     "**/__pycache__",
 ]
 root_doc = "index"
