@@ -77,16 +77,27 @@ class PatchTable(Directive):
     def run(self) -> List[nodes.Node]:
         from kmp import patches
 
+        infos = patches.available()
         rows = [
             (
                 info.name,
                 info.kind + ("" if info.applicable else ", TensorFlow only"),
                 info.summary,
-                ", ".join(info.targets) or "-",
             )
-            for info in patches.available()
+            for info in infos
         ]
-        return [_table(("patch", "kind", "what it does", "replaces"), rows)]
+        # What each replaces, below the table: the dotted names are long.
+        targets = nodes.bullet_list()
+        for info in infos:
+            item = nodes.paragraph()
+            item += nodes.literal(text=info.name)
+            item += nodes.Text(" replaces ")
+            for index, target in enumerate(info.targets or ("nothing",)):
+                if index:
+                    item += nodes.Text(", ")
+                item += nodes.literal(text=target)
+            targets += nodes.list_item("", item)
+        return [_table(("patch", "kind", "what it does"), rows), targets]
 
 
 def _table(header, rows) -> nodes.table:

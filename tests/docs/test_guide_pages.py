@@ -62,3 +62,9 @@ def test_a_comment_next_to_code_stays_code():
         ("code", "x = 1\n# about y\ny = 2"),
         ("markdown", "Prose."),
     ]
+
+
+def test_converter_examples_run():
+    import doctest
+
+    assert doctest.testmod(guide_notebook).failed == 0

@@ -99,3 +99,9 @@ def test_a_bad_file_is_refused_naming_it(tmp_path):
     path.write_text(json.dumps(document))
     with pytest.raises(ValueError, match=re.escape("bad.json: no 'date'")):
         perf_results.load(path)
+
+
+def test_renderer_examples_run():
+    import doctest
+
+    assert doctest.testmod(perf_results).failed == 0
