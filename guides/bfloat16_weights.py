@@ -39,7 +39,7 @@ keras.utils.set_random_seed(3)
 # ## Why bfloat16 weights stall
 #
 # bfloat16 has float32's range but 8 significant bits: next to 1.0 the
-# neighbours are 1 - 2**-8 and 1 + 2**-7. A learning-rate-sized step
+# neighbours are `1 - 2**-8` and `1 + 2**-7`. A learning-rate-sized step
 # vanishes:
 
 one = tf.constant(1.0, tf.bfloat16)

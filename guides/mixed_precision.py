@@ -325,7 +325,7 @@ kmp.set_global_policy(None)
 #
 # On this project's development CPU, which has AVX-512 BF16 and FP16,
 # "mixed_bfloat16" trains about 1.3 to 4 times faster than float32
-# depending on the model (README, Performance); "mixed_float16" is about as
+# depending on the model (docs/performance.md); "mixed_float16" is about as
 # fast as bfloat16 with that fusion off, and hundreds to thousands of times
 # slower than float32 with it on. Measure
 # your own model and machine with `kmp bench`. What this machine offers:

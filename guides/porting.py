@@ -12,6 +12,7 @@ is read as `loss_scale` rather than Keras 3's `dynamic_scale`.
 
 ## Names side by side
 
+```text
 Keras 2:                 Keras 3:                      kmp:
 tf.keras.mixed_precision keras.                        kmp.
 ------------------------ ----------------------------- ------------------------
@@ -53,6 +54,7 @@ none                     none                          .skipped_steps
 (6) So Keras 3's `apply_gradients` must receive scaled gradients. kmp's
     receives true (unscaled) gradients, except the gradients of a
     `scale_loss(...)` made in the same step, which it unscales itself.
+```
 
 `from kmp import mixed_precision` gives kmp's five names under one module, as a
 drop-in for `tf.keras.mixed_precision`.
@@ -100,6 +102,7 @@ of finite steps in a row, back off on a step with inf/NaN gradients (which
 is skipped). Each setting maps onto one argument of
 `kmp.LossScaleOptimizer(inner_optimizer, ...)`:
 
+```text
 torch.amp.GradScaler(               kmp.LossScaleOptimizer(inner_optimizer,
   init_scale=2**16,                   initial_scale=2**16, (kmp: 2**15)
   growth_factor=2.0,                  growth_factor=2.0,
@@ -128,12 +131,14 @@ jmp.DynamicLossScale(               kmp.LossScaleOptimizer(inner_optimizer,
   min_loss_scale=1)                   min_scale=1)
 jmp.StaticLossScale(128)            dynamic=False, initial_scale=128
 jmp.NoOpLossScale()                 none: the inner optimizer itself
+```
 
 kmp's `max_scale` (the largest float32 by default) has no counterpart: a
 growth that would pass it is not taken. GradScaler and jmp, like kmp, never
 grow the scale to inf. kmp's defaults are tf.keras's: 2**15, 2000 steps,
 factors 2 and 0.5, floor 1, `hysteresis=1`.
 
+```text
 (8) No loss scaling. Under "mixed_float16", `compile` adds a loss scale
     optimizer by itself unless given `auto_scale_loss=False`.
 (9) GradScaler halves without a floor; kmp's `min_scale` goes down to
@@ -146,6 +151,7 @@ factors 2 and 0.5, floor 1, `hysteresis=1`.
     (`on_persistent_skips="raise"` stops a run after
     `max_consecutive_skips` skips in a row). From DeepSpeed 0.17.1 the first
     growth after an overflow comes one step later; see section 8.
+```
 
 Run it with `python guides/porting.py`; it takes a few seconds (it has no
 large sizes, so unlike the other guide it ignores `KMP_GUIDE_SMALL`).

@@ -41,7 +41,11 @@ def add_parser(subparsers) -> None:
         "--loss", default=None, help="loss name (default: the compiled one)"
     )
     parser.add_argument(
-        "--batch-size", type=arguments.positive_int, default=32, metavar="N"
+        "--batch-size",
+        type=arguments.positive_int,
+        default=32,
+        metavar="N",
+        help="examples per batch (default: %(default)s)",
     )
     parser.add_argument(
         "--steps",

@@ -228,7 +228,7 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
 
     @property
     def max_consecutive_skips(self) -> Optional[int]:
-        """Skipped steps in a row that count as persistent (None: no check)."""
+        """Skipped steps in a row counted as persistent, or None (no check)."""
         return self._max_consecutive_skips
 
     @property
@@ -260,8 +260,9 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
 
     @property
     def nonfinite_variables(self) -> List[str]:
-        """Paths of the variables whose gradients were inf/NaN on the last
-        skipped step (empty before any skip).
+        """Paths of the variables with inf/NaN gradients on the last skip.
+
+        Empty before any skipped step.
 
         Raises:
             ValueError: the optimizer was created without
@@ -311,6 +312,15 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
 
         The gradients of its result go to `apply_gradients` still scaled,
         which unscales them (see `kmp.core.recipes`).
+
+        Args:
+            loss: A floating scalar tensor or number.
+
+        Returns:
+            `loss` times the current scale, in `loss`'s dtype.
+
+        Raises:
+            TypeError: `loss` is not floating point.
         """
         scaled = self._scaled(loss, self.dynamic_scale)
         self._recipes.scale_called(recipes_module.SCALED)
@@ -325,6 +335,9 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
         Args:
             loss: A floating scalar tensor or number, or a callable returning
                 one (then a callable is returned).
+
+        Returns:
+            The scaled loss (or a callable returning it).
 
         Raises:
             TypeError: `loss` is not floating point.
@@ -362,6 +375,19 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
         For JAX loops over `stateless_apply`: pass the optimizer variables of
         the step, so a jitted function sees the current scale.
 
+        Args:
+            optimizer_variables: Values of `optimizer.variables`, as the step
+                receives them.
+            loss: A floating scalar tensor or number.
+
+        Returns:
+            `loss` times the scale held in `optimizer_variables`.
+
+        Raises:
+            TypeError: `loss` is not floating point.
+
+        Example:
+
         >>> opt = LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=4)
         >>> values = [v.value for v in opt.variables]
         >>> float(opt.stateless_scale_loss(values, 0.5))
@@ -377,6 +403,17 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
         """`get_unscaled_gradients` with the scale from the variables given.
 
         `stateless_apply` applies its results as they are.
+
+        Args:
+            optimizer_variables: Values of `optimizer.variables`, as the step
+                receives them.
+            grads: Gradients of a scaled loss (tensors or None).
+
+        Returns:
+            A list of the unscaled gradients, in order.
+
+        Raises:
+            TypeError: `grads` is not an iterable of gradients.
         """
         grads = arguments.checked_gradient_list(grads, "grads")
         scale = stateless.scale_of(self, optimizer_variables)
@@ -389,7 +426,14 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
         return scaling.scale_tensor(loss, scale, divide=False)
 
     def check_finite(self, grads):
-        """A bool scalar tensor: whether no gradient has an inf or a NaN."""
+        """Whether no gradient has an inf or a NaN.
+
+        Args:
+            grads: Gradients (tensors or None).
+
+        Returns:
+            A bool scalar tensor.
+        """
         return scaling.all_finite(grads)
 
     # --- Applying -----------------------------------------------------------
@@ -409,6 +453,13 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
 
     def apply_gradients(self, grads_and_vars):
         """Applies `(gradient, variable)` pairs; returns `iterations`.
+
+        Args:
+            grads_and_vars: `(gradient, variable)` pairs, such as
+                `zip(grads, model.trainable_variables)`.
+
+        Returns:
+            The optimizer's `iterations` variable.
 
         Raises:
             TypeError, ValueError: see `apply`; also for pairs that are not
@@ -441,6 +492,11 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
 
     def apply(self, grads, trainable_variables=None):
         """Applies one step; see the class docstring.
+
+        Args:
+            grads: One gradient (or None) per variable.
+            trainable_variables: The variables; by default those the
+                optimizer was built with.
 
         Raises:
             TypeError: a variable is not a variable, or a gradient is not a
@@ -517,7 +573,11 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
     # --- Serialization ------------------------------------------------------
 
     def get_config(self) -> dict:
-        """Keras's four keys, and kmp's settings where not at the default."""
+        """Keras's four keys, and kmp's settings where not at the default.
+
+        Returns:
+            A dict that `from_config` takes back.
+        """
         config = {
             "name": self.name,
             "inner_optimizer": serialization_lib.serialize_keras_object(
@@ -544,7 +604,19 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
 
     @classmethod
     def from_config(cls, config: dict, custom_objects=None):
-        """Creates the optimizer from `get_config()`'s output."""
+        """Creates the optimizer from `get_config()`'s output.
+
+        Args:
+            config: A dict with at least the key `"inner_optimizer"`.
+            custom_objects: Passed on to Keras's deserialization of the
+                inner optimizer.
+
+        Returns:
+            A `LossScaleOptimizer`.
+
+        Raises:
+            ValueError: `config` is not such a dict.
+        """
         if not isinstance(config, Mapping) or "inner_optimizer" not in config:
             raise ValueError(
                 "'config' must be a dict with at least the key "

@@ -118,7 +118,22 @@ class Policy(keras.DTypePolicy):
 
     @classmethod
     def from_config(cls, config: dict) -> "Policy":
-        """Creates a policy from `get_config()`'s output, `{"name": ...}`."""
+        """Creates a policy from `get_config()`'s output, `{"name": ...}`.
+
+        Args:
+            config: A dict with the single key `"name"`.
+
+        Returns:
+            The `Policy` of that name.
+
+        Raises:
+            ValueError: `config` is not such a dict.
+
+        Example:
+
+        >>> Policy.from_config(Policy("mixed_bfloat16").get_config())
+        <Policy "mixed_bfloat16">
+        """
         if not isinstance(config, dict) or set(config) != {"name"}:
             raise ValueError(
                 "'config' must be a dict with the single key 'name', as "
@@ -327,6 +342,9 @@ def global_policy() -> Policy:
     """Returns the current global policy (`Policy("float32")` unless set).
 
     It is the policy Keras uses (`keras.config.dtype_policy()`).
+
+    Returns:
+        The global policy, a `Policy`.
 
     Raises:
         ValueError: the global policy was set through Keras to something that is

@@ -85,12 +85,27 @@ def _all_patches() -> list:
 
 
 def available() -> Tuple[registry.PatchInfo, ...]:
-    """Every patch kmp has, with whether it applies, was tested, is on."""
+    """Every patch kmp has, with whether it applies, was tested, is on.
+
+    Returns:
+        A `PatchInfo` per patch, those of other backends included (with
+        `applicable` False).
+
+    Example:
+
+    >>> [(info.name, info.kind) for info in available()][:2]
+    [('global_policy', 'behaviour'), ('compile', 'behaviour')]
+    """
     return tuple(patch.info() for patch in _all_patches())
 
 
 def installed() -> Tuple[str, ...]:
     """The names of the patches in effect now.
+
+    Returns:
+        A tuple of patch names.
+
+    Example:
 
     >>> "global_policy" in installed()
     True
@@ -109,6 +124,13 @@ def install(*names: str, force: bool = False) -> None:
         ValueError: an unknown name.
         RuntimeError: a patch that does not apply to this backend, was not
             tested with this version (without `force`), or fails its check.
+
+    Example:
+
+    >>> uninstall("global_policy")
+    >>> install("global_policy")
+    >>> "global_policy" in installed()
+    True
     """
     patches = _by_name(names) if names else _defaults()
     for patch in patches:
@@ -118,8 +140,18 @@ def install(*names: str, force: bool = False) -> None:
 def uninstall(*names: str) -> None:
     """Gives Keras back its own functions for the named patches (all if none).
 
+    Args:
+        *names: Patch names; none means every patch in effect.
+
     Raises:
         ValueError: an unknown name.
+
+    Example:
+
+    >>> uninstall("global_policy")
+    >>> "global_policy" in installed()
+    False
+    >>> install("global_policy")
     """
     patches = _by_name(names) if names else _patches()
     for patch in patches:

@@ -1,4 +1,9 @@
-"""The README's Python examples run as written and do what they say."""
+"""The README's Python example runs as written, and its links lead somewhere.
+
+The README is the site's first screen: what kmp is, the set-up commands, one
+example and links to the documentation's sources (`docs/`), which must exist
+in the repository.
+"""
 
 import contextlib
 import io
@@ -7,8 +12,12 @@ import re
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+TEXT = README.read_text()
+BLOCKS = re.findall(r"```python\n(.*?)```", TEXT, re.DOTALL)
+# The README is the site's first screen, not its whole (issue 23).
+MAX_CHARACTERS = 6000
 
 
 def _run(code: str) -> str:
@@ -18,10 +27,9 @@ def _run(code: str) -> str:
     return output.getvalue()
 
 
-def test_readme_has_a_fit_and_a_custom_loop_example():
-    assert len(BLOCKS) == 2
+def test_readme_has_one_fit_example():
+    assert len(BLOCKS) == 1
     assert "model.fit(" in BLOCKS[0]
-    assert "get_unscaled_gradients" in BLOCKS[1]
 
 
 def test_fit_example_trains_in_mixed_float16_with_float32_output():
@@ -32,14 +40,26 @@ def test_fit_example_trains_in_mixed_float16_with_float32_output():
     assert "output dtype: float32" in output
 
 
-def test_custom_loop_example_trains_without_skipping():
-    output = _run(BLOCKS[1])
-    losses = [float(v) for v in re.findall(r"loss ([\d.]+)", output)]
-    assert len(losses) == 3 and losses[-1] < losses[0]
-    assert re.findall(r"skipped (\d+)", output) == ["0", "0", "0"]
+@pytest.mark.parametrize(
+    "command",
+    [
+        'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".'
+        '[cpu,test]" && kmp bench',
+        "python -m pytest",
+        'pip install -e ".[cpu,docs]" && python -m sphinx -W --keep-going -b '
+        "html docs docs/_build/html",
+    ],
+)
+def test_setup_and_docs_commands_are_documented(command):
+    assert f"```bash\n{command}\n```" in TEXT
 
 
-@pytest.mark.parametrize("command", ["pip install", "kmp bench", "pytest"])
-def test_setup_commands_are_documented(command):
-    text = README.read_text()
-    assert command in text
+def test_readme_is_short():
+    assert len(TEXT) < MAX_CHARACTERS
+
+
+def test_relative_links_lead_to_files_in_the_repository():
+    targets = re.findall(r"\]\(([^)#]+)\)", TEXT)
+    assert len(targets) >= 8
+    missing = [t for t in targets if "://" not in t and not (ROOT / t).exists()]
+    assert missing == []
