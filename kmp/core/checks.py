@@ -8,6 +8,8 @@ argument's name, what is allowed and what was received.
 '[1, 2] of type list'
 """
 
+import decimal
+import fractions
 import math
 import numbers
 from typing import Callable
@@ -95,31 +97,126 @@ def checked_bool(value, argument: str) -> bool:
     return bool(value)
 
 
-def checked_number(
-    value, argument: str, allowed: str, in_range: Callable[[float], bool]
-) -> float:
-    """`value` as a float, if it is a real number (not a bool) in range.
+def is_real_number(value) -> bool:
+    """Whether a setting may be given as `value`: a real number that is not
+    a bool (a Python or NumPy int or float, an ml_dtypes float such as
+    bfloat16, a `fractions.Fraction` or a `decimal.Decimal`)."""
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    if isinstance(value, (numbers.Real, decimal.Decimal)):
+        return True
+    return (  # ml_dtypes' scalars (bfloat16, float8_*) are not numbers.Real.
+        isinstance(value, np.generic)
+        and value.dtype.kind == "V"
+        and value.dtype.name.startswith(("bfloat", "float"))
+    )
 
-    `allowed` completes "'argument' must be ..." in the errors. The range is
-    checked before float(), which overflows on a huge int; `in_range` must
-    be false for NaN (a comparison is).
+
+def checked_float(
+    value,
+    argument: str,
+    allowed: str,
+    in_range: Callable[[float], bool],
+    dtype: str = "float32",
+    received: Optional[str] = None,
+) -> float:
+    """`value` rounded once to `dtype`, the dtype it is stored and applied
+    in, and checked after rounding: the door of every numeric setting.
+
+    What comes out is what is applied, reported (properties, `get_config`)
+    and compared with restored state, so they agree exactly. Refused: a
+    value that is not a real number (`is_real_number`), NaN, a finite value
+    that overflows `dtype`, a non-zero one that rounds to 0, and a rounded
+    value `in_range` refuses (so a factor > 1 that rounds to 1 is refused
+    where a factor must be > 1). `allowed` completes "'argument' must be
+    ..."; `received` replaces "argument=value" in the message (for a
+    tensor's value).
+
+    >>> checked_float(0.7, "min_scale", "a number", lambda v: v > 0)
+    0.699999988079071
+
+    Returns:
+        The rounded value as a Python float (exactly a `dtype` number).
 
     Raises:
-        TypeError: `value` is not a number.
-        ValueError: `in_range(value)` is false.
+        TypeError: `value` is not a real number.
+        ValueError: otherwise refused, as above.
     """
-    if isinstance(value, (bool, np.bool_)) or not isinstance(
-        value, numbers.Real
-    ):
+    if received is None:
+        received = f"{argument}={_short_repr(value)}"
+    if not is_real_number(value):
         raise TypeError(
             f"'{argument}' must be {allowed}. Received: "
             f"{argument}={describe(value)}"
         )
-    if not in_range(value):
-        raise ValueError(
-            f"'{argument}' must be {allowed}. Received: {argument}={value!r}"
-        )
-    return float(value)
+    refused = f"'{argument}' must be {allowed}. Received: {received}"
+    if _is_nan(value):
+        raise ValueError(refused)
+    rounded = _rounded(value, dtype)
+    if _is_finite(value):
+        exact = _exact(value)
+        if math.isinf(rounded):
+            largest = float(np.finfo(dtype).max)
+            raise ValueError(
+                f"{refused}, which overflows {dtype} (its largest value is "
+                f"{largest:.8g})"
+            )
+        if rounded == 0 and exact != 0:
+            raise ValueError(f"{refused}, which rounds to 0 in {dtype}")
+        if not in_range(rounded):
+            if fractions.Fraction(rounded) != exact:
+                refused += f", which rounds to {rounded!r} in {dtype}"
+            raise ValueError(refused)
+    elif not in_range(rounded):
+        raise ValueError(refused)
+    return rounded
+
+
+def _short_repr(value) -> str:
+    text = repr(value)
+    if isinstance(value, np.generic) and type(value).__name__ not in text:
+        text = f"{type(value).__name__}({text})"  # ml_dtypes: bfloat16(inf)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _is_nan(value) -> bool:
+    if isinstance(value, decimal.Decimal):
+        return value.is_nan()
+    if isinstance(value, numbers.Rational):
+        return False
+    return bool(np.isnan(value))
+
+
+def _is_finite(value) -> bool:
+    if isinstance(value, decimal.Decimal):
+        return value.is_finite()
+    if isinstance(value, numbers.Rational):
+        return True
+    return bool(np.isfinite(value))
+
+
+def _exact(value) -> fractions.Fraction:
+    """A finite number's exact value."""
+    if isinstance(value, numbers.Integral):
+        return fractions.Fraction(int(value))
+    if isinstance(value, (fractions.Fraction, decimal.Decimal, float)):
+        return fractions.Fraction(value)
+    if isinstance(value, np.floating):
+        return fractions.Fraction(*value.as_integer_ratio())
+    if isinstance(value, numbers.Rational):
+        return fractions.Fraction(value.numerator, value.denominator)
+    return fractions.Fraction(float(value))  # An ml_dtypes float: exact.
+
+
+def _rounded(value, dtype: str) -> float:
+    """`value` rounded to `dtype` (to inf beyond its range), as a float."""
+    if not isinstance(value, np.generic):
+        try:
+            value = float(value)  # Exact for an int up to 2**53.
+        except OverflowError:  # An int or Fraction beyond float64.
+            value = math.inf if value > 0 else -math.inf
+    with np.errstate(over="ignore"):
+        return float(np.dtype(dtype).type(value))
 
 
 def checked_integer(
@@ -133,7 +230,9 @@ def checked_integer(
             f"'{argument}' must be {allowed}. Received: "
             f"{argument}={describe(value)}"
         )
-    if not minimum <= value <= maximum:
+    # As a Python int: NumPy would compare an int8 with a bound it cannot
+    # hold in int8.
+    if not minimum <= int(value) <= maximum:
         raise ValueError(
             f"'{argument}' must be {allowed}. Received: {argument}={value!r}"
         )
@@ -162,9 +261,9 @@ def concrete_value(value) -> Optional[float]:
         return None
 
 
-def is_finite_number(value) -> bool:
-    """Whether `value` (a float) is finite and fits in float32."""
-    return -_FLOAT32_MAX <= value <= _FLOAT32_MAX
+def is_finite_number(value: float) -> bool:
+    """Whether `value`, a Python float, is finite and fits in float32."""
+    return -_FLOAT32_MAX <= float(value) <= _FLOAT32_MAX
 
 
 def checked_gradients(grads, variables) -> List:
@@ -261,13 +360,3 @@ def _shapes_compatible(shape, expected) -> bool:
 def largest_float32() -> float:
     """The largest finite float32, about 3.4e38."""
     return _FLOAT32_MAX
-
-
-def at_least_zero(value) -> bool:
-    """Whether `value` is a finite number >= 0 (false for NaN)."""
-    limit = (
-        float(np.finfo(np.float64).max)
-        if isinstance(value, numbers.Integral)
-        else math.inf
-    )
-    return 0 <= value < limit

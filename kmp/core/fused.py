@@ -30,21 +30,19 @@ Example:
 """
 
 import math
-import numbers
 
 import keras
 import numpy as np
 
 from kmp.core import backend
+from kmp.core.checks import checked_float
 from kmp.core.checks import checked_gradients
-from kmp.core.checks import checked_number
 from kmp.core.checks import describe
 
 tf = backend.tensorflow()
 
 _FLOATING = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 _TENSOR_TYPES = (tf.Tensor, tf.Variable, keras.Variable)
-_FLOAT_MAX = float(np.finfo(np.float64).max)
 _RATE = "a number in [0, 1) or a scalar floating tensor with a value in [0, 1)"
 _EPSILON = "a finite number >= 0 or a scalar floating tensor with such a value"
 
@@ -60,7 +58,12 @@ class FusedAdam(keras.optimizers.Adam):
     is a TypeError, a wrong value a ValueError) and every gradient's shape
     against its variable's in `apply` / `apply_gradients`, before anything
     is built or updated. The learning rate may also be an int, a NumPy
-    number or a constant scalar tensor (its value is used).
+    number or a constant scalar tensor (its value is used). A number must
+    keep its meaning in float32, which float32 and mixed-precision variables
+    apply it in: a learning rate or epsilon beyond float32's range, a beta
+    that rounds to 1 or a non-zero that rounds to 0 is refused. Numbers are
+    kept as Python floats (a `Fraction` or `Decimal` too), as Adam keeps
+    them, so the config serializes.
     """
 
     def __init__(
@@ -74,7 +77,7 @@ class FusedAdam(keras.optimizers.Adam):
         **kwargs,
     ):
         if weight_decay is not None:
-            weight_decay = checked_number(
+            weight_decay = _checked_number(
                 weight_decay,
                 "weight_decay",
                 "None or a finite number >= 0",
@@ -159,18 +162,26 @@ def _constant(value, dtype):
 
 # --- Checks -------------------------------------------------------------------
 # Adam takes each hyperparameter as a number; the betas and epsilon also as
-# a scalar floating tensor or variable, read at every update.
+# a scalar floating tensor or variable, read at every update. Adam keeps a
+# number as a Python float (the learning rate in a float32 variable) and
+# applies it in each variable's dtype: float32 for float32 and
+# mixed-precision variables, so it must mean the same in float32 (a beta
+# that rounds to 1 divides by zero, an epsilon of 1e39 is inf).
 
 
-def _at_least_zero(value) -> bool:
-    # False for NaN, inf and ints beyond float's range (float() overflows);
-    # a float bound would overflow comparing with a NumPy float32.
-    limit = _FLOAT_MAX if isinstance(value, numbers.Integral) else math.inf
-    return 0 <= value < limit
+def _at_least_zero(value: float) -> bool:
+    return 0 <= value < math.inf
 
 
-def _below_one(value) -> bool:
+def _below_one(value: float) -> bool:
     return 0 <= value < 1
+
+
+def _checked_number(value, argument: str, allowed: str, in_range) -> float:
+    """A number as the Python float Adam keeps, refused unless it also holds
+    in float32 (see above)."""
+    checked_float(value, argument, allowed, in_range, "float32")
+    return checked_float(value, argument, allowed, in_range, "float64")
 
 
 def _checked(value, argument: str, allowed: str, in_range):
@@ -187,15 +198,19 @@ def _checked(value, argument: str, allowed: str, in_range):
                 f"'{argument}' must be {allowed}. Received: {received}"
             )
         number = _known_value(value)
-        if number is not None and not in_range(float(number)):
-            raise ValueError(
-                f"'{argument}' must be {allowed}. Received: {received} and "
-                f"value {float(number)!r}"
+        if number is not None:
+            checked_float(
+                number,
+                argument,
+                allowed,
+                in_range,
+                "float32",
+                received=f"{received} and value {float(number)!r}",
             )
         return value
     if callable(value):
         allowed += " (Keras 3's Adam update cannot use a callable)"
-    return checked_number(value, argument, allowed, in_range)
+    return _checked_number(value, argument, allowed, in_range)
 
 
 def _known_value(value):

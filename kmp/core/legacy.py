@@ -7,9 +7,9 @@ call to use now. What has no exact counterpart (a policy's fixed
 `loss_scale`, `DynamicLossScale` objects) raises an error naming it.
 """
 
-import numbers
 import warnings
 
+from kmp.core import checks
 from kmp.core import optimizer as optimizer_module
 from kmp.core import policy as policy_module
 
@@ -73,15 +73,13 @@ def LossScaleOptimizer(optimizer, loss_scale="dynamic"):  # noqa: N802
     Raises:
         TypeError: `loss_scale` is a loss-scale object or of another type.
     """
-    if loss_scale == "dynamic":
+    if isinstance(loss_scale, str) and loss_scale == "dynamic":
         _warn(
             "experimental.LossScaleOptimizer(opt, 'dynamic')",
             "kmp.LossScaleOptimizer(opt)",
         )
         return optimizer_module.LossScaleOptimizer(optimizer)
-    if isinstance(loss_scale, numbers.Real) and not isinstance(
-        loss_scale, bool
-    ):
+    if checks.is_real_number(loss_scale):  # Checked as initial_scale.
         _warn(
             f"experimental.LossScaleOptimizer(opt, {loss_scale!r})",
             "kmp.LossScaleOptimizer(opt, dynamic=False, "

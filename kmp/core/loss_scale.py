@@ -152,6 +152,11 @@ def checked_settings(
 ) -> dict:
     """The rule's settings as ints and floats, each checked.
 
+    The factors and bounds are rounded to float32 here, once, and checked
+    after rounding (`checks.checked_float`): the rule computes in float32,
+    so what it holds, reports and compares restored scales with is exactly
+    what it applies. A factor that rounds to 1 is refused.
+
     Raises:
         TypeError: a setting is not a number (an integer where one is due).
         ValueError: a setting is out of range, or min_scale > max_scale.
@@ -164,26 +169,26 @@ def checked_settings(
             MAX_INT,
             f"a positive integer (at most {MAX_INT})",
         ),
-        "growth_factor": checks.checked_number(
+        "growth_factor": checks.checked_float(
             growth_factor,
             "growth_factor",
             "a finite number > 1 (2 by default)",
             lambda v: 1 < v <= MAX_SCALE,
         ),
-        "backoff_factor": checks.checked_number(
+        "backoff_factor": checks.checked_float(
             backoff_factor,
             "backoff_factor",
             "a number > 0 and < 1 (0.5 by default)",
             lambda v: 0 < v < 1,
         ),
-        "min_scale": checks.checked_number(
+        "min_scale": checks.checked_float(
             min_scale,
             "min_scale",
             f"a number >= {SMALLEST_MIN_SCALE:g} (2**-24) and at most the "
             "largest float32 (1 by default)",
             lambda v: SMALLEST_MIN_SCALE <= v <= MAX_SCALE,
         ),
-        "max_scale": checks.checked_number(
+        "max_scale": checks.checked_float(
             max_scale,
             "max_scale",
             f"a number >= {SMALLEST_MIN_SCALE:g} and at most the largest "

@@ -65,6 +65,7 @@ import keras
 import tensorflow as tf
 
 from kmp.core import checks
+from kmp.core import optimizer_arguments
 from kmp.core import rounding
 
 ROUNDINGS = ("kahan", "stochastic", "nearest")
@@ -218,7 +219,15 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
 
     @learning_rate.setter
     def learning_rate(self, value):
+        value = optimizer_arguments.checked_learning_rate(value)
         self._inner_optimizer.learning_rate = value
+
+    def __setattr__(self, name, value):
+        # Keras's optimizer tracks a variable assigned to an attribute
+        # before a property setter runs: check the learning rate first.
+        if name == "learning_rate" and "_inner_optimizer" in self.__dict__:
+            value = optimizer_arguments.checked_learning_rate(value)
+        super().__setattr__(name, value)
 
     def finalize_variable_values(self, var_list):
         self._inner_optimizer.finalize_variable_values(var_list)

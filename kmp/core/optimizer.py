@@ -116,6 +116,15 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
         record_nonfinite: Whether to record which variables had non-finite
             gradients on the last skipped step (`nonfinite_variables`).
 
+    A number may be any real number (a Python or NumPy int or float, a
+    `Fraction`, a `Decimal`). The scale and the rule's settings are rounded
+    to float32, the dtype they are applied in, when the optimizer is made,
+    and checked after rounding: the properties, `get_config` and the checks
+    of restored state all use the rounded values (`min_scale=0.7` is
+    0.699999988079071), and a value float32 changes in meaning (a factor
+    that rounds to 1, a non-zero that rounds to 0, one beyond float32's
+    range) is refused.
+
     Raises:
         TypeError: `inner_optimizer` is not a Keras optimizer, or is already a
             loss-scale optimizer; an argument has the wrong type (for
@@ -167,7 +176,11 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
         rule, initial_scale = arguments.check_scale_settings(
             dynamic, initial_scale, dynamic_growth_steps, knobs
         )
-        arguments.check_skip_options(
+        (
+            max_consecutive_skips,
+            on_persistent_skips,
+            record_nonfinite,
+        ) = arguments.checked_skip_options(
             max_consecutive_skips, on_persistent_skips, record_nonfinite
         )
         if backend.is_tensorflow():
@@ -189,7 +202,12 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
         self._inner_optimizer = inner_optimizer
         self._dynamic = dynamic
         self._rule = rule
-        self._knobs = {k: v for k, v in knobs.items() if v is not None}
+        # The values the rule applies (float32-rounded), for get_config.
+        self._knobs = {
+            key: getattr(rule, key)
+            for key, value in knobs.items()
+            if value is not None
+        }
         self._initial_scale = initial_scale
         self._max_consecutive_skips = max_consecutive_skips
         self._on_persistent_skips = on_persistent_skips
@@ -213,7 +231,9 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
 
     @property
     def initial_scale(self) -> float:
-        """The loss scale training started with, a Python float."""
+        """The loss scale training started with, a Python float (the float32
+        value the scale variable holds: `initial_scale=1000.1` gives
+        1000.0999755859375)."""
         return self._initial_scale
 
     @property
@@ -295,14 +315,14 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
 
     @learning_rate.setter
     def learning_rate(self, value):
-        arguments.check_learning_rate(value)
+        value = arguments.checked_learning_rate(value)
         self._inner_optimizer.learning_rate = value
 
     def __setattr__(self, name, value):
         # Keras's optimizer tracks a variable assigned to an attribute
         # before a property setter runs: check the learning rate first.
         if name == "learning_rate" and "_inner_optimizer" in self.__dict__:
-            arguments.check_learning_rate(value)
+            value = arguments.checked_learning_rate(value)
         super().__setattr__(name, value)
 
     # --- Scaling ------------------------------------------------------------

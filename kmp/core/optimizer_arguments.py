@@ -84,7 +84,14 @@ def check_dynamic(dynamic):
 
 
 def check_scale_settings(dynamic, initial_scale, growth_steps, knobs):
-    """The rule (None when fixed) and the initial scale, checked."""
+    """The rule (None when fixed) and the initial scale, checked.
+
+    The scale and the rule's settings are rounded to float32 (the dtype of
+    the scale variable and of the rule's arithmetic) once, here, and
+    checked after rounding; the optimizer keeps, reports and saves the
+    rounded values (see `checks.checked_float`).
+    """
+    received = None
     if initial_scale is None:
         if not dynamic:
             raise ValueError(
@@ -93,9 +100,11 @@ def check_scale_settings(dynamic, initial_scale, growth_steps, knobs):
                 "initial_scale=None"
             )
         initial_scale = rule_module.DEFAULT_INITIAL_SCALE
-    elif isinstance(initial_scale, bool) or not isinstance(
-        initial_scale, numbers.Real
-    ):
+        received = (
+            f"initial_scale={initial_scale!r} (the default, as none was "
+            "given: pass one between min_scale and max_scale)"
+        )
+    elif not checks.is_real_number(initial_scale):
         raise ArgumentTypeError(
             "'initial_scale' must be a number (a finite float >= 1). "
             f"Received: initial_scale={checks.describe(initial_scale)}"
@@ -113,13 +122,13 @@ def check_scale_settings(dynamic, initial_scale, growth_steps, knobs):
                 + ", ".join(f"{key}={given[key]!r}" for key in changed)
             )
         floor = rule_module.DEFAULT_MIN_SCALE
-        if not floor <= initial_scale <= rule_module.MAX_SCALE:
-            raise ValueError(
-                "'initial_scale' must be a finite number >= 1 (and at most "
-                f"the largest float32, {rule_module.MAX_SCALE:.4g}). "
-                f"Received: initial_scale={initial_scale!r}"
-            )
-        return None, float(initial_scale)
+        return None, checks.checked_float(
+            initial_scale,
+            "initial_scale",
+            "a finite number >= 1 (and at most the largest float32, "
+            f"{rule_module.MAX_SCALE:.4g})",
+            lambda v: floor <= v <= rule_module.MAX_SCALE,
+        )
     if growth_steps is not None and (
         isinstance(growth_steps, bool)
         or not isinstance(growth_steps, numbers.Integral)
@@ -132,69 +141,89 @@ def check_scale_settings(dynamic, initial_scale, growth_steps, knobs):
     if growth_steps is not None:
         settings["growth_steps"] = growth_steps
     rule = rule_module.ScaleRule(**settings)
-    if not rule.min_scale <= initial_scale <= rule.max_scale:
-        raise ValueError(
-            f"'initial_scale' must be a finite number >= min_scale "
-            f"({rule.min_scale:g}) and <= max_scale ({rule.max_scale:.6g}). "
-            f"Received: initial_scale={initial_scale!r}"
-        )
-    return rule, float(initial_scale)
+    return rule, checks.checked_float(
+        initial_scale,
+        "initial_scale",
+        f"a finite number >= min_scale ({rule.min_scale:g}) and <= "
+        f"max_scale ({rule.max_scale:.6g})",
+        lambda v: rule.min_scale <= v <= rule.max_scale,
+        received=received,
+    )
 
 
-def check_skip_options(max_skips, on_persistent_skips, record_nonfinite):
+def checked_skip_options(max_skips, on_persistent_skips, record_nonfinite):
+    """The three settings as plain Python values, each checked."""
     if max_skips is not None:
-        checks.checked_integer(
+        max_skips = checks.checked_integer(
             max_skips,
             "max_consecutive_skips",
             1,
             _MAX_SKIPS,
             f"a positive integer (at most {_MAX_SKIPS}) or None",
         )
-    if on_persistent_skips not in ("warn", "raise"):
+    if not isinstance(on_persistent_skips, str) or on_persistent_skips not in (
+        "warn",
+        "raise",
+    ):
         raise ValueError(
             "'on_persistent_skips' must be 'warn' or 'raise'. Received: "
             f"on_persistent_skips={on_persistent_skips!r}"
         )
-    checks.checked_bool(record_nonfinite, "record_nonfinite")
+    record_nonfinite = checks.checked_bool(record_nonfinite, "record_nonfinite")
+    return max_skips, str(on_persistent_skips), record_nonfinite
 
 
-def check_learning_rate(value) -> None:
-    """Refuses a learning rate that is not a finite number (NaN, inf, a
-    non-floating tensor); a schedule or a callable is taken as it is."""
+def checked_learning_rate(value):
+    """`value` as the learning rate to assign: a number rounded to Keras's
+    float dtype (the learning-rate variable's, float32 by default), checked
+    after rounding; a tensor with a finite value, or a schedule or a
+    callable, as it is.
+
+    Raises:
+        TypeError: not a number, a floating scalar tensor, a schedule or a
+            callable.
+        ValueError: NaN, inf, a number beyond float32, a non-zero one that
+            rounds to 0, or a tensor that is not a scalar.
+    """
     schedule = keras.optimizers.schedules.LearningRateSchedule
     if isinstance(value, schedule) or (
         callable(value) and not checks.is_tensor(value)
     ):
-        return
-    if isinstance(value, bool) or not (
-        isinstance(value, numbers.Real) or checks.is_tensor(value)
-    ):
+        return value
+    dtype = keras.backend.floatx()
+    allowed = f"a finite number that fits in {dtype}"
+    if not checks.is_tensor(value):
+        if not checks.is_real_number(value):
+            raise TypeError(
+                "'learning_rate' must be a number, a scalar tensor or a "
+                "keras.optimizers.schedules.LearningRateSchedule. Received: "
+                f"learning_rate={checks.describe(value)}"
+            )
+        return checks.checked_float(
+            value, "learning_rate", allowed, math.isfinite, dtype
+        )
+    if checks.dtype_name(value) not in checks.FLOATING_DTYPES:
         raise TypeError(
-            "'learning_rate' must be a number, a scalar tensor or a "
-            "keras.optimizers.schedules.LearningRateSchedule. Received: "
+            "'learning_rate' must be floating point. Received: "
             f"learning_rate={checks.describe(value)}"
         )
-    if checks.is_tensor(value):
-        if checks.dtype_name(value) not in checks.FLOATING_DTYPES:
-            raise TypeError(
-                "'learning_rate' must be floating point. Received: "
-                f"learning_rate={checks.describe(value)}"
-            )
-        if tuple(value.shape) not in ((),):
-            raise ValueError(
-                "'learning_rate' must be a scalar. Received: "
-                f"learning_rate={checks.describe(value)}"
-            )
-        number = checks.concrete_value(value)
-        received = f"learning_rate={checks.describe(value)} of value {number}"
-    else:
-        number = value
-        received = f"learning_rate={value!r}"
-    if number is not None and not checks.is_finite_number(number):
+    if tuple(value.shape) not in ((),):
         raise ValueError(
-            "'learning_rate' must be a finite number that fits in float32. "
-            f"Received: {received}"
+            "'learning_rate' must be a scalar. Received: "
+            f"learning_rate={checks.describe(value)}"
         )
+    number = checks.concrete_value(value)
+    if number is not None:
+        checks.checked_float(
+            number,
+            "learning_rate",
+            allowed,
+            math.isfinite,
+            dtype,
+            received=f"learning_rate={checks.describe(value)} of value "
+            f"{number}",
+        )
+    return value
 
 
 def check_keras_kwargs(kwargs):

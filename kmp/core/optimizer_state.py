@@ -263,19 +263,24 @@ class StateMixin:
                     "Nothing was restored."
                 )
         if "scale" in values:
-            scale = float(values["scale"])
+            # As the float32 the scale variable will hold, compared with the
+            # settings, which are float32 values too (checks.checked_float).
+            with np.errstate(over="ignore", invalid="ignore"):
+                scale = float(np.asarray(values["scale"]).astype(np.float32))
             if self._dynamic:
                 low, high = self._rule.min_scale, self._rule.max_scale
                 if not low <= scale <= high:
                     raise ValueError(
-                        f"{where} has a scale of {scale!r}; it must be a "
-                        f"finite number in [min_scale, max_scale] = [{low:g}, "
-                        f"{high:.6g}]. Nothing was restored."
+                        f"{where} has a scale of {_plain(values['scale'])!r}; "
+                        "it must be a finite number in [min_scale, "
+                        f"max_scale] = [{low:g}, {high:.6g}]. Nothing was "
+                        "restored."
                     )
             elif scale != self._initial_scale:
                 raise ValueError(
-                    f"{where} has a scale of {scale!r}, but this optimizer's "
-                    f"scale is fixed at {self._initial_scale:g} "
+                    f"{where} has a scale of {_plain(values['scale'])!r}, "
+                    "but this optimizer's scale is fixed at "
+                    f"{self._initial_scale:.9g} "
                     "(dynamic=False): restoring would silently replace it. "
                     "Create the optimizer as the saved one was (dynamic=True "
                     "for a dynamic scale), or restore into a fresh one. "

@@ -39,7 +39,7 @@ import numpy as np
 
 from kmp.core import loss_scale as _rule
 from kmp.core.backend import tensorflow as _tensorflow
-from kmp.core.checks import checked_number
+from kmp.core.checks import checked_float
 from kmp.core.policy import PolicyLike
 from kmp.core.policy import as_policy as _to_policy
 from kmp.tools import audit_data
@@ -129,7 +129,7 @@ def audit(
     batch_size = audit_data.checked_positive_int(batch_size, "batch_size")
     steps = audit_data.checked_positive_int(steps, "steps")
     if loss_scale is not None:
-        loss_scale = checked_number(
+        loss_scale = checked_float(
             loss_scale,
             "loss_scale",
             "a finite number >= 1 (and at most the largest float32, "
@@ -137,11 +137,12 @@ def audit(
             lambda value: _rule.DEFAULT_MIN_SCALE <= value <= _rule.MAX_SCALE,
         )
     if max_relative_error is not None:
-        max_relative_error = checked_number(
+        max_relative_error = checked_float(
             max_relative_error,
             "max_relative_error",
             "a positive number or None",
             lambda value: value > 0,
+            "float64",
         )
     x, x_samples = audit_data.as_arrays(x, "x")
     if y is not None:

@@ -38,6 +38,7 @@ from typing import Union
 import keras
 
 from kmp.core.backend import tensorflow as _tensorflow
+from kmp.core.checks import checked_float
 
 tf = _tensorflow()
 
@@ -360,19 +361,18 @@ class OverflowAt(keras.layers.Layer):
             "step index",
         )
         steps = sorted(set(steps))
-        if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
-            raise TypeError(
-                "'factor' must be a number. Received: "
-                f"factor={factor!r} of type {type(factor).__name__}"
-            )
-        if not 0 < factor <= _FLOAT32_MAX:
-            raise ValueError(
-                "'factor' must be a finite number > 0 within float32's range"
-                f" (at most {_FLOAT32_MAX:g}). Received: factor={factor!r}"
-            )
+        # As the float32 it is applied as (cast to the compute dtype from
+        # there): NumPy would compare np.float16(inf) with an inf bound.
+        factor = checked_float(
+            factor,
+            "factor",
+            "a finite number > 0 within float32's range (at most "
+            f"{_FLOAT32_MAX:g})",
+            lambda value: 0 < value <= _FLOAT32_MAX,
+        )
         super().__init__(**kwargs)
         self._steps = steps
-        self._factor = float(factor)
+        self._factor = factor
         self._replica = _check_replica(replica)
         self.supports_masking = True
         self.calls = self.add_weight(

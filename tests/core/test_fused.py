@@ -14,9 +14,13 @@ from tests.support import backends
 backends.require("tensorflow")
 pytestmark = pytest.mark.tensorflow
 
+import decimal  # noqa: E402
+import fractions  # noqa: E402
+import json  # noqa: E402
 import os  # noqa: E402
 
 import keras  # noqa: E402
+import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -277,6 +281,36 @@ def test_adam_checkpoint_restores_into_fused_adam(tmp_path):
         ({"weight_decay": -0.1}, ValueError, "weight_decay=-0.1"),
         ({"weight_decay": float("nan")}, ValueError, "weight_decay=nan"),
         ({"weight_decay": False}, TypeError, "weight_decay=False"),
+        # What float32 variables would apply (and Keras's float32 learning
+        # rate variable hold): inf, 0, a beta of 1 (1 - beta**t is 0).
+        (
+            {"learning_rate": 1e39},
+            ValueError,
+            "learning_rate=1e+39, which overflows float32",
+        ),
+        (
+            {"learning_rate": np.float16(np.inf)},
+            ValueError,
+            "learning_rate=np.float16(inf)",
+        ),
+        (
+            {"learning_rate": 1e-50},
+            ValueError,
+            "learning_rate=1e-50, which rounds to 0 in float32",
+        ),
+        ({"epsilon": 1e39}, ValueError, "epsilon=1e+39, which overflows"),
+        (
+            {"epsilon": tf.constant(1e39, tf.float64)},
+            ValueError,
+            "value 1e+39, which overflows float32",
+        ),
+        (
+            {"beta_1": 1 - 1e-9},
+            ValueError,
+            "beta_1=0.999999999, which rounds to 1.0 in float32",
+        ),
+        ({"beta_2": np.float16(np.inf)}, ValueError, "np.float16(inf)"),
+        ({"weight_decay": 1e39}, ValueError, "weight_decay=1e+39, which"),
     ],
 )
 def test_bad_hyperparameters_are_refused(kwargs, error, fragment):
@@ -305,6 +339,16 @@ def test_bad_hyperparameters_in_a_config_are_refused():
         {"epsilon": np.float32(1e-6), "weight_decay": np.int64(0)},
         {"amsgrad": np.bool_(True)},
         {"weight_decay": np.float32(0.01)},
+        # Kept as the Python floats Adam keeps, so the config serializes.
+        {"learning_rate": fractions.Fraction(1, 100)},
+        {
+            "beta_1": decimal.Decimal("0.8"),
+            "epsilon": fractions.Fraction(1, 10**6),
+        },
+        {
+            "beta_2": ml_dtypes.bfloat16(0.99),
+            "weight_decay": np.longdouble(0.01),
+        },
     ],
 )
 def test_numbers_of_any_real_type_are_accepted(kwargs):
@@ -313,6 +357,7 @@ def test_numbers_of_any_real_type_are_accepted(kwargs):
     for name, value in kwargs.items():
         assert config[name] == pytest.approx(float(value), rel=1e-6)
         assert type(config[name]) is (bool if name == "amsgrad" else float)
+    json.dumps(config)  # A .keras file holds it as JSON.
     # What it was given is what it runs with: the same as Keras's Adam given
     # the Python floats.
     plain = keras.optimizers.Adam(

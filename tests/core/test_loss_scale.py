@@ -277,6 +277,77 @@ def test_largest_growth_steps_is_accepted():
     assert ScaleRule(growth_steps=2**31 - 1).growth_steps == 2**31 - 1
 
 
+# --- Settings are the float32 values the rule applies ------------------------
+
+
+def _float32(value):
+    return float(np.float32(value))
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"min_scale": 1e-4},
+        {"min_scale": 0.7},
+        {"max_scale": 1.1},
+        {"growth_factor": 1.1, "backoff_factor": 0.3},
+    ],
+    ids=["min_scale_1e-4", "min_scale_0.7", "max_scale_1.1", "factors"],
+)
+def test_settings_are_rounded_to_float32(settings):
+    rule = ScaleRule(**settings)
+    for name, value in settings.items():
+        assert getattr(rule, name) == _float32(value)
+        assert type(getattr(rule, name)) is float
+
+
+@pytest.mark.parametrize("min_scale", [1e-4, 0.7], ids=str)
+def test_backoff_lands_exactly_on_a_floor_not_exact_in_float32(min_scale):
+    """The floor is the float32 value the scale can hold: the scale stops on
+    it, not one float32 step below (which a restore would then refuse)."""
+    rule = ScaleRule(min_scale=min_scale)
+    state = rule.initial_state(1.0)
+    for _ in range(20):
+        state = rule.next(state, False)
+        scale = float(state[0])
+        assert scale >= rule.min_scale
+    assert scale == rule.min_scale == _float32(min_scale)
+
+
+def test_growth_stops_exactly_at_a_ceiling_not_exact_in_float32():
+    rule = ScaleRule(growth_steps=1, growth_factor=1.1, max_scale=1.1)
+    state = rule.initial_state(1.0)
+    for _ in range(3):
+        state = rule.next(state, True)
+        assert float(state[0]) <= rule.max_scale
+    # 1 * float32(1.1) is float32(1.1): the scale reaches the ceiling.
+    assert float(state[0]) == rule.max_scale == _float32(1.1)
+
+
+@pytest.mark.parametrize(
+    "settings, fragment",
+    [
+        ({"growth_factor": 1 + 1e-9}, "growth_factor=1.000000001, which "),
+        ({"backoff_factor": 1 - 1e-9}, "backoff_factor=0.999999999, which "),
+    ],
+    ids=["growth_factor", "backoff_factor"],
+)
+def test_a_factor_that_is_one_in_float32_is_refused(settings, fragment):
+    """1 + 1e-9 is 1.0 in float32: the scale would silently never move."""
+    with pytest.raises(ValueError) as info:
+        ScaleRule(**settings)
+    assert fragment + "rounds to 1.0 in float32" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "name", ["growth_factor", "min_scale", "max_scale", "backoff_factor"]
+)
+def test_float16_inf_is_refused(name):
+    """NumPy 2 compares np.float16(inf) with float16(largest float32), inf."""
+    with pytest.raises(ValueError, match=rf"{name}=np\.float16\(inf\)"):
+        ScaleRule(**{name: np.float16(np.inf)})
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     initial_scale=st.floats(

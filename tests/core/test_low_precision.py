@@ -639,6 +639,22 @@ def test_bad_arguments_are_refused(make_inner, kwargs, error, fragment):
     assert fragment in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "value",
+    [np.float16(np.inf), 1e39, float("nan"), 1e-50, "fast"],
+    ids=["float16_inf", "beyond_float32", "nan", "to_zero", "str"],
+)
+def test_learning_rate_assignment_is_checked_as_applied(value):
+    """As kmp.LossScaleOptimizer's: the rate goes to a float32 variable."""
+    inner = keras.optimizers.SGD(0.25)
+    optimizer = LowPrecisionOptimizer(inner)
+    with pytest.raises((TypeError, ValueError), match="'learning_rate' must"):
+        optimizer.learning_rate = value
+    assert float(np.array(inner.learning_rate)) == 0.25
+    optimizer.learning_rate = np.float16(0.5)
+    assert float(np.array(inner.learning_rate)) == 0.5
+
+
 def test_a_built_inner_optimizer_is_refused():
     inner = keras.optimizers.Adam()
     inner.build([keras.Variable(np.ones(2, "float32"))])

@@ -7,7 +7,12 @@ optimizer reports, and the fuzzing of the constructor and of
 `learning_rate` assignment.
 """
 
+import decimal
+import fractions
+import json
+
 import keras
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import example
@@ -16,7 +21,9 @@ from hypothesis import strategies as st
 
 import kmp
 from kmp import LossScaleOptimizer
+from kmp import mixed_precision
 from kmp.core.optimizer_arguments import ArgumentTypeError
+from kmp.mixed_precision import experimental
 from tests.support import backends
 from tests.support.fuzzing import FUZZ
 from tests.support.fuzzing import call_expecting_clean_error
@@ -231,6 +238,140 @@ def test_fixed_scale_rejects_the_dynamic_rules_settings(knob, value):
     assert_unchanged_by(inner, construct)
 
 
+# --- Numeric settings are the float32 values applied -------------------------
+
+
+def _float32(value):
+    return float(np.float32(value))
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"initial_scale": np.float16(np.inf)}, "initial_scale"),
+        ({"initial_scale": np.float16(np.inf), "dynamic": False}, None),
+        ({"max_scale": np.float16(np.inf)}, "max_scale"),
+        ({"growth_factor": np.float16(np.inf)}, "growth_factor"),
+        ({"min_scale": np.float16(np.inf)}, "min_scale"),
+    ],
+    ids=["initial_scale", "fixed_initial_scale", "max_scale", "growth", "min"],
+)
+def test_float16_inf_is_refused(kwargs, name):
+    """NumPy 2 compares np.float16(inf) with the largest float32 in float16,
+    where it is inf too: the scale started, or grew, to inf."""
+    inner = keras.optimizers.SGD(0.1)
+    name = name or "initial_scale"
+
+    def construct():
+        with pytest.raises(ValueError) as info:
+            LossScaleOptimizer(inner, **kwargs)
+        assert f"'{name}' must be" in str(info.value)
+        assert f"{name}=np.float16(inf)" in str(info.value)
+
+    assert_unchanged_by(inner, construct)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"growth_factor": 1 + 1e-9}, "=1.000000001, which rounds to 1.0"),
+        ({"backoff_factor": 1 - 1e-9}, "=0.999999999, which rounds to 1.0"),
+        ({"min_scale": 1e-50}, "min_scale=1e-50, which rounds to 0"),
+        ({"max_scale": 3.5e38}, "max_scale=3.5e+38, which overflows float32"),
+        (
+            {"initial_scale": 1e39, "dynamic": False},
+            "initial_scale=1e+39, which overflows float32",
+        ),
+    ],
+    ids=["growth_one", "backoff_one", "min_zero", "max_inf", "fixed_inf"],
+)
+def test_settings_that_float32_changes_are_refused(kwargs, fragment):
+    """1 + 1e-9 is 1.0 in float32: the scale would never grow (a silent
+    no-op); 1e-50 is 0, 3.5e38 is inf."""
+    inner = keras.optimizers.SGD(0.1)
+
+    def construct():
+        with pytest.raises(ValueError) as info:
+            LossScaleOptimizer(inner, **kwargs)
+        assert fragment in str(info.value)
+
+    assert_unchanged_by(inner, construct)
+
+
+def test_settings_report_and_save_the_float32_values_applied():
+    """Any real number is taken (Fractions, Decimals, every NumPy type) and
+    kept as the float32 value applied: properties and get_config give plain
+    Python numbers, which JSON holds and from_config gives back exactly."""
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1),
+        initial_scale=np.longdouble("1000.1"),
+        dynamic_growth_steps=np.uint16(3),
+        growth_factor=ml_dtypes.bfloat16(1.5),
+        backoff_factor=fractions.Fraction(1, 3),
+        min_scale=decimal.Decimal("0.7"),
+        max_scale=np.float16(60000),
+        hysteresis=np.int8(2),
+        max_consecutive_skips=np.int64(5),
+        record_nonfinite=np.bool_(True),
+    )
+    expected = {
+        "initial_scale": _float32(1000.1),
+        "dynamic_growth_steps": 3,
+        "growth_factor": 1.5,
+        "backoff_factor": _float32(1 / 3),
+        "min_scale": _float32(0.7),
+        "max_scale": 60000.0,
+        "hysteresis": 2,
+        "max_consecutive_skips": 5,
+        "record_nonfinite": True,
+    }
+    config = optimizer.get_config()
+    for name, value in expected.items():
+        assert config[name] == value, name
+        assert type(config[name]) is type(value), name
+    assert optimizer.initial_scale == expected["initial_scale"]
+    assert float(optimizer.loss_scale) == expected["initial_scale"]
+    rule = optimizer.rule
+    assert (rule.min_scale, rule.max_scale) == (_float32(0.7), 60000.0)
+    assert json.loads(json.dumps(config)) == config
+    restored = LossScaleOptimizer.from_config(config)
+    assert restored.get_config() == config
+    assert restored.rule == rule
+
+
+@pytest.mark.parametrize(
+    "value",
+    [np.float16(np.inf), np.float64(1e39), np.float16(-np.inf), 1e-50],
+    ids=["float16_inf", "beyond_float32", "float16_minus_inf", "to_zero"],
+)
+def test_learning_rate_that_float32_changes_is_refused(value):
+    inner = keras.optimizers.SGD(0.25)
+    optimizer = LossScaleOptimizer(inner)
+
+    def assign():
+        with pytest.raises(ValueError, match="'learning_rate' must be") as e:
+            optimizer.learning_rate = value
+        assert f"learning_rate={value!r}" in str(e.value)
+
+    assert_unchanged_by(optimizer, assign)
+    assert float(np.array(inner.learning_rate)) == 0.25
+
+
+def test_legacy_names_pass_settings_through_the_same_door():
+    assert mixed_precision.LossScaleOptimizer is LossScaleOptimizer
+    with pytest.warns(experimental.LegacyAPIWarning):
+        fixed = experimental.LossScaleOptimizer(
+            keras.optimizers.SGD(0.1), decimal.Decimal("1000.1")
+        )
+    assert fixed.dynamic is False
+    assert fixed.initial_scale == _float32(1000.1)
+    assert fixed.get_config()["initial_scale"] == _float32(1000.1)
+    for value in (np.float16(np.inf), 1e39):
+        with pytest.raises(ValueError, match="'initial_scale' must be"):
+            with pytest.warns(experimental.LegacyAPIWarning):
+                experimental.LossScaleOptimizer(keras.optimizers.SGD(), value)
+
+
 def test_wrong_types_are_argument_type_errors():
     inner = keras.optimizers.SGD(0.1)
     for kwargs in ({"initial_scale": "8"}, {"dynamic_growth_steps": 2.5}):
@@ -243,6 +384,21 @@ def test_wrong_types_are_argument_type_errors():
 # --- Fuzzing ------------------------------------------------------------------
 
 
+def _in_float32(value):
+    """The float32 a number is applied as (inf beyond float32's range), or
+    None for anything else."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating)
+    ):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return float("inf")
+    with np.errstate(over="ignore"):
+        return float(np.float32(value))
+
+
 def _is_valid(argument, value) -> bool:
     """Whether the contract allows `value` for `argument` (all else default)."""
     is_int = isinstance(value, (int, np.integer)) and not isinstance(
@@ -251,11 +407,10 @@ def _is_valid(argument, value) -> bool:
     if argument == "dynamic":
         return isinstance(value, bool)
     if argument == "initial_scale":
-        return (
-            isinstance(value, (int, float, np.integer, np.floating))
-            and not isinstance(value, (bool, np.bool_))
-            and 1 <= value <= _FLOAT32_MAX  # False for NaN, inf, 10**400.
-        )
+        # Changed on purpose: checked as the float32 it is applied as (so
+        # 1 - 1e-12, which is 1.0 in float32, is a valid scale).
+        rounded = _in_float32(value)
+        return rounded is not None and 1 <= rounded <= _FLOAT32_MAX
     if argument in ("dynamic_growth_steps", "max_consecutive_skips"):
         # Changed on purpose: at most 2**31 - 1 (was 2**63 - 1), as the
         # counters are int32 on JAX without x64.
@@ -361,10 +516,12 @@ def test_wrapping_a_loss_scale_optimizer_is_refused():
 def test_learning_rate_assignment_validates_and_changes_nothing(value):
     inner = keras.optimizers.SGD(0.25)
     optimizer = kmp.LossScaleOptimizer(inner, initial_scale=8.0)
+    rounded = _in_float32(value)
+    # Changed on purpose: a non-zero rate that is 0 in float32 is refused.
     valid = (
-        isinstance(value, (int, float, np.integer, np.floating))
-        and not isinstance(value, (bool, np.bool_))
-        and -_FLOAT32_MAX <= value <= _FLOAT32_MAX  # Not NaN, inf, 10**400.
+        rounded is not None
+        and -_FLOAT32_MAX <= rounded <= _FLOAT32_MAX  # Not NaN, inf, 10**400.
+        and (rounded != 0 or value == 0)
     )
     if valid:
         optimizer.learning_rate = value

@@ -10,13 +10,24 @@ files holding kmp objects load under `safe_mode=True`, which still refuses
 to run code stored in them.
 """
 
+import decimal
+import fractions
 import json
+import math
+import os
+import pathlib
 import re
+import tempfile
 import zipfile
 
 import keras
+import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import event
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 
 import kmp
 from kmp import LossScaleOptimizer
@@ -25,6 +36,17 @@ from tests.support import training
 from tests.support.training import INF
 from tests.support.training import X_FINITE
 from tests.support.training import X_INF
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+# Each accepted example trains, saves and loads a model (slowest on JAX,
+# whose eager steps run op by op): a few dozen, or KMP_FUZZ_EXAMPLES.
+FUZZ_SETTINGS = settings(
+    max_examples=int(
+        os.environ.get("KMP_FUZZ_EXAMPLES", 12 if backends.JAX else 20)
+    ),
+    deadline=None,
+    derandomize=True,
+)
 
 # --- Configs ------------------------------------------------------------------
 
@@ -318,6 +340,95 @@ def test_keras_file_with_a_bad_scale_raises_and_loads_nothing(tmp_path):
         keras.saving.load_model(path)
 
 
+# --- Settings that are not exact in float32 -----------------------------------
+# The scale is a float32 variable: a bound like min_scale=0.7 is the float32
+# 0.699999988..., and a scale that reached it must restore.
+
+
+def _stepped_model(kwargs, steps):
+    """A compiled model whose optimizer took one step per entry of `steps`
+    (True: finite gradients; False: NaN ones)."""
+    model = training.model()
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1), **kwargs)
+    model.compile(optimizer=optimizer, loss="mse")
+    variables = model.trainable_variables
+    optimizer.build(variables)
+    for finite in steps:
+        value = 0.5 if finite else float("nan")
+        grads = [backends.tensor(np.full(v.shape, value)) for v in variables]
+        optimizer.apply_gradients(zip(grads, variables))
+    return model
+
+
+def _restored_through(model, how, directory):
+    """A model with `model`'s optimizer state, through a .keras file or a
+    tf.train.Checkpoint (into an optimizer made from its config)."""
+    if how == "keras_file":
+        path = str(directory / "model.keras")
+        model.save(path)
+        return training.load_model_without_skipping(path)
+    tf = backends.tensorflow()
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(
+        str(directory / "ckpt")
+    )
+    fresh = training.model()
+    fresh.compile(
+        optimizer=LossScaleOptimizer.from_config(model.optimizer.get_config()),
+        loss="mse",
+    )
+    fresh.optimizer.build(fresh.trainable_variables)
+    tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).read(
+        path
+    ).assert_consumed()
+    return fresh
+
+
+def _assert_same_state(restored, original):
+    assert restored.optimizer.get_config() == original.optimizer.get_config()
+    training.assert_weights_equal(
+        training.values(restored.optimizer.variables),
+        training.values(original.optimizer.variables),
+    )
+    training.assert_weights_equal(
+        restored.get_weights(), original.get_weights()
+    )
+
+
+HOWS = [
+    "keras_file",
+    pytest.param("checkpoint", marks=pytest.mark.tensorflow),
+]
+
+
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize(
+    "kwargs, steps, scale",
+    [
+        ({"min_scale": 1e-4, "initial_scale": 1}, [False] * 16, 1e-4),
+        ({"min_scale": 0.7, "initial_scale": 1}, [False] * 2, 0.7),
+        ({"dynamic": False, "initial_scale": 1000.1}, [True], 1000.1),
+        (
+            {"max_scale": 1.1, "initial_scale": 1.1, "dynamic_growth_steps": 1},
+            [True] * 2,
+            1.1,
+        ),
+    ],
+    ids=["floor_1e-4", "floor_0.7", "fixed_1000.1", "ceiling_1.1"],
+)
+def test_scale_at_a_bound_not_exact_in_float32_restores(
+    tmp_path, how, kwargs, steps, scale
+):
+    """Reported: kmp refused the .keras file or checkpoint it had just
+    written ("Nothing was restored"), as it compared the float32 scale with
+    the unrounded bound; the scale also sat one float32 step outside
+    [min_scale, max_scale]."""
+    model = _stepped_model(kwargs, steps)
+    assert float(model.optimizer.loss_scale) == float(np.float32(scale))
+    restored = _restored_through(model, how, tmp_path)
+    _assert_same_state(restored, model)
+    assert float(restored.optimizer.loss_scale) == float(np.float32(scale))
+
+
 # --- safe_mode ----------------------------------------------------------------
 
 
@@ -421,3 +532,166 @@ def test_safe_mode_refuses_a_lambda_hidden_in_the_kmp_optimizer(tmp_path):
     with pytest.raises(ValueError, match="safe_mode"):
         keras.saving.load_model(str(crafted), safe_mode=True)
     assert not marker.exists()
+
+
+# --- Fuzzing: numeric settings of every kind ----------------------------------
+
+_FLOAT_KINDS = [
+    float,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.longdouble,
+    ml_dtypes.bfloat16,
+    fractions.Fraction,
+    decimal.Decimal,
+]
+_INT_KINDS = [int] + [
+    getattr(np, name)
+    for name in ("int8 int16 int32 int64 uint8 uint16 uint32 uint64".split())
+]
+# Per setting: values that round in float32 (0.7, 1000.1), that float32
+# changes in meaning (to 1, to 0, to inf), at the bounds, and plain ones.
+_POOLS = {
+    "growth_factor": [1.1, 1.5, 2.0, 3.0, 1 + 2.0**-23, 1 + 1e-9, 1e39],
+    "backoff_factor": [0.3, 0.5, 0.7, 1 - 2.0**-24, 1 - 1e-9, 1e-50],
+    "min_scale": [1e-4, 0.7, 1.0, 1000.1, 2.0**-24, 2.0**-25, 1e-50],
+    "max_scale": [1.1, 1000.1, 65504.0, 2.0**20, 3.4028235e38, 3.5e38],
+    "initial_scale": [1.0, 1.1, 0.7, 1000.1, 2.0**15, 3.4028235e38, 1e39],
+}
+_ANYTHING = [float("inf"), float("-inf"), float("nan"), 0.0, -1.0, 1e-4]
+_INTS = [0, 1, 2, 3, 64, 1000, 2**127, 2**128, 10**40, -1]
+
+
+def _as_kind(kind, value):
+    if kind is fractions.Fraction and not math.isfinite(value):
+        return value  # A Fraction cannot be inf or NaN.
+    if kind is decimal.Decimal:
+        return decimal.Decimal(repr(value))
+    if kind in _INT_KINDS and kind is not int:
+        info = np.iinfo(kind)
+        return kind(value) if info.min <= value <= info.max else value
+    with np.errstate(over="ignore"):
+        return kind(value)
+
+
+@st.composite
+def _numbers(draw, name):
+    """A number for setting `name`, of any kind a user might pass: mostly
+    from its pool (so that many are accepted), at times anything."""
+    choice = draw(st.integers(0, 9))
+    if choice == 0:
+        return _as_kind(
+            draw(st.sampled_from(_INT_KINDS)), draw(st.sampled_from(_INTS))
+        )
+    if choice == 1:
+        value = draw(st.sampled_from(_ANYTHING) | st.floats(1e-9, 1e39))
+    else:
+        value = draw(st.sampled_from(_POOLS[name]))
+    return _as_kind(draw(st.sampled_from(_FLOAT_KINDS)), value)
+
+
+@st.composite
+def _settings(draw):
+    """kwargs of a LossScaleOptimizer; the initial scale is at times the
+    min_scale or max_scale given, so a run starts at a bound."""
+    if not draw(st.booleans()):
+        return {
+            "dynamic": False,
+            "initial_scale": draw(_numbers("initial_scale")),
+        }
+    kwargs = {}
+    for name in ("growth_factor", "backoff_factor", "min_scale", "max_scale"):
+        if draw(st.integers(0, 2)) == 0:  # Fewer at once: more accepted.
+            kwargs[name] = draw(_numbers(name))
+    start = draw(st.sampled_from(["default", "number", "min", "max"]))
+    if start == "number":
+        kwargs["initial_scale"] = draw(_numbers("initial_scale"))
+    elif start != "default" and f"{start}_scale" in kwargs:
+        kwargs["initial_scale"] = kwargs[f"{start}_scale"]
+    if draw(st.booleans()):
+        kwargs["dynamic_growth_steps"] = _as_kind(
+            draw(st.sampled_from(_INT_KINDS)), draw(st.integers(1, 2))
+        )
+    return kwargs
+
+
+def _float32(value) -> float:
+    """The float32 `value` is applied as (inf beyond float32's range)."""
+    if not isinstance(value, np.generic):
+        try:
+            value = float(value)
+        except OverflowError:
+            value = math.inf if value > 0 else -math.inf
+    with np.errstate(over="ignore"):
+        return float(np.float32(value))
+
+
+def _expected_settings(kwargs):
+    """The float32 settings the contract makes of `kwargs`, or None if it
+    refuses them."""
+    rounded = {k: _float32(v) for k, v in kwargs.items() if k != "dynamic"}
+    rounded.pop("dynamic_growth_steps", None)
+    if not all(math.isfinite(v) for v in rounded.values()):
+        return None  # NaN, inf, or overflowed.
+    if not kwargs.get("dynamic", True):
+        return rounded if 1 <= rounded["initial_scale"] else None
+    low = rounded.get("min_scale", 1.0)
+    high = rounded.get("max_scale", _FLOAT32_MAX)
+    valid = (
+        rounded.get("growth_factor", 2.0) > 1
+        and 0 < rounded.get("backoff_factor", 0.5) < 1
+        and 2.0**-24 <= low <= high
+        and low <= rounded.get("initial_scale", 2.0**15) <= high
+    )
+    return rounded if valid else None
+
+
+def _assert_scale_within_bounds(optimizer):
+    scale = np.float32(keras.ops.convert_to_numpy(optimizer.loss_scale))
+    if optimizer.dynamic:
+        rule = optimizer.rule
+        assert np.float32(rule.min_scale) <= scale <= np.float32(rule.max_scale)
+    else:
+        assert scale == np.float32(optimizer.initial_scale)
+
+
+@FUZZ_SETTINGS
+@given(kwargs=_settings(), steps=st.lists(st.booleans(), max_size=3))
+def test_numeric_settings_of_any_kind_round_trip(kwargs, steps):
+    """Each setting is refused with its value named, or accepted as the
+    float32 value applied; then the config round-trips, the scale stays in
+    [min_scale, max_scale] as float32, and a .keras file (and, on
+    TensorFlow, a checkpoint) restores every piece of state exactly."""
+    expected = _expected_settings(kwargs)
+    event("refused" if expected is None else "accepted")
+    if expected is None:
+        with pytest.raises((TypeError, ValueError)) as info:
+            LossScaleOptimizer(keras.optimizers.SGD(0.1), **kwargs)
+        given_values = [v for k, v in kwargs.items() if k != "dynamic"]
+        message = str(info.value)
+        assert "initial_scale=32768.0 (the default" in message or any(
+            repr(v)[:40] in message for v in given_values
+        ), message
+        return
+    model = _stepped_model(kwargs, [])
+    optimizer = model.optimizer
+    config = optimizer.get_config()
+    for name, value in expected.items():
+        assert config[name] == value, name
+        assert type(config[name]) is float, name
+    json.dumps(config)
+    assert LossScaleOptimizer.from_config(config).get_config() == config
+    _assert_scale_within_bounds(optimizer)
+    variables = model.trainable_variables
+    for finite in steps:
+        value = 0.5 if finite else float("nan")
+        grads = [backends.tensor(np.full(v.shape, value)) for v in variables]
+        optimizer.apply_gradients(zip(grads, variables))
+        _assert_scale_within_bounds(optimizer)
+    hows = ["keras_file"] + (["checkpoint"] if backends.TENSORFLOW else [])
+    for how in hows:
+        with tempfile.TemporaryDirectory() as directory:
+            restored = _restored_through(model, how, pathlib.Path(directory))
+        _assert_same_state(restored, model)
+        _assert_scale_within_bounds(restored.optimizer)

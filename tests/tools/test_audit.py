@@ -281,6 +281,11 @@ def test_float32_model_without_policy_is_an_error():
         ({"loss_scale": 2**2000}, ValueError, "'loss_scale' must be a finite"),
         ({"loss_scale": "1024"}, TypeError, "'loss_scale' must be a finite"),
         (
+            {"loss_scale": np.float16(np.inf)},
+            ValueError,
+            r"loss_scale=np\.float16\(inf\)",
+        ),
+        (
             {"loss": keras.losses.MeanSquaredError},
             TypeError,
             r"'loss' must be a loss instance.*MeanSquaredError\(\)",
@@ -297,6 +302,7 @@ def test_float32_model_without_policy_is_an_error():
         "loss_scale_above_float32",
         "loss_scale_huge_int",
         "loss_scale_str",
+        "loss_scale_float16_inf",
         "loss_class",
     ],
 )

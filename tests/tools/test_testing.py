@@ -299,6 +299,11 @@ def test_overflow_at_under_mixed_float16_in_a_model_round_trips(tmp_path):
         ({"steps": 1, "factor": 1e40}, ValueError, "float32.*factor=1e\\+40"),
         ({"steps": 1, "factor": float("nan")}, ValueError, "factor=nan"),
         ({"steps": 1, "replica": 1.0}, TypeError, "replica=1.0"),
+        (
+            {"steps": 1, "factor": np.float16(np.inf)},
+            ValueError,
+            r"factor=np\.float16\(inf\)",
+        ),
     ],
     ids=[
         "str_steps",
@@ -312,6 +317,7 @@ def test_overflow_at_under_mixed_float16_in_a_model_round_trips(tmp_path):
         "beyond_float32_factor",
         "nan_factor",
         "float_replica",
+        "float16_inf_factor",
     ],
 )
 def test_overflow_at_validates_arguments(kwargs, error, match):
