@@ -129,7 +129,7 @@ class LegacyLossScale:
         return self._tensor()
 
     def __float__(self):
-        return float(ops.convert_to_numpy(self._tensor()))
+        return float(self._tensor())
 
     def __array__(self, dtype=None, copy=None):
         return np.asarray(ops.convert_to_numpy(self._tensor()), dtype=dtype)

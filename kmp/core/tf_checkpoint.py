@@ -10,6 +10,12 @@ TensorFlow restores before any tensor of the checkpoint: a bad state is
 refused before the model or the optimizer changes at all. (A checkpoint
 without it, written by kmp 0.1, is checked by `LossScaleState` alone,
 after TensorFlow may have restored other objects.)
+
+A SavedModel (`tf.saved_model.save`) writes the same values; there the
+state variables are also children of `LossScaleState`, so that the
+SavedModel copies them into its graph and `tf.saved_model.load` gives them
+back, and `LossScaleCheck` is left out: it reads the variables as Python
+values, which code in a SavedModel's graph cannot.
 """
 
 import json

@@ -49,7 +49,7 @@ def test_experimental_optimizers_loss_scale_is_called_for_the_scale(
     optimizer.apply_gradients([(backends.tensor([float("inf")]), variable)])
     expected = scale / 2 if dynamic else scale
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error", LegacyAPIWarning)
         # As the tensor of kmp.LossScaleOptimizer (kmp's tools read it so).
         assert float(optimizer.loss_scale) == expected
         assert np.asarray(optimizer.loss_scale).item() == expected

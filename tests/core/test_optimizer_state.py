@@ -390,6 +390,31 @@ def test_keras_layout_file_keeps_kmps_counts(tmp_path):
     assert int(loaded.optimizer.hysteresis_left) == 1
 
 
+def test_keras_layout_file_without_kmps_group_loads(tmp_path):
+    """A file of Keras's own LossScaleOptimizer (or of an older kmp) has no
+    group for kmp's counts: they start afresh, the rest is restored."""
+    model = _compile_made(skipped=5, in_a_row=3, scale=2.0**9)
+    path = tmp_path / "model.keras"
+    model.save(str(path))
+    stripped = tmp_path / "stripped.keras"
+    with (
+        zipfile.ZipFile(path) as source,
+        zipfile.ZipFile(stripped, "w") as target,
+    ):
+        for item in source.infolist():
+            data = source.read(item.filename)
+            if item.filename == "model.weights.h5":
+                weights_path = tmp_path / "model.weights.h5"
+                weights_path.write_bytes(data)
+                with h5py.File(weights_path, "r+") as weights:
+                    del weights["optimizer/_kmp_state"]
+                data = weights_path.read_bytes()
+            target.writestr(item, data)
+    loaded = training.load_model_without_skipping(str(stripped))
+    assert training.optimizer_state(loaded.optimizer) == (2.0**9, 1, 0, 1)
+    assert int(loaded.optimizer.consecutive_skips) == 0
+
+
 @pytest.mark.parametrize(
     "state, fragment",
     [
