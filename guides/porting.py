@@ -37,6 +37,11 @@ fixed scale:             none; the inner optimizer's   fixed scale:
 .initial_scale           .initial_scale                .initial_scale
 .dynamic_growth_steps    .dynamic_growth_steps         .dynamic_growth_steps
 .iterations              .iterations                   .iterations
+.lr, .learning_rate      .learning_rate only           .lr, .learning_rate
+.apply_gradients(gv,     .apply_gradients(gv)          .apply_gradients(gv,
+  name=None,                                             name=None,
+  experimental_aggregate_                                experimental_aggregate_
+  gradients=True) (7)                                    gradients=True) (7)
 .get_scaled_loss(loss)   gone: .scale_loss(loss)       .get_scaled_loss(loss),
                                                        also .scale_loss(loss)
 .get_unscaled_gradients  gone: .apply_gradients        .get_unscaled_gradients
@@ -54,6 +59,10 @@ none                     none                          .skipped_steps
 (6) So Keras 3's `apply_gradients` must receive scaled gradients. kmp's
     receives true (unscaled) gradients, except the gradients of a
     `scale_loss(...)` made in the same step, which it unscales itself.
+(7) False: the gradients are already summed across replicas (Keras 2.11's
+    `skip_gradients_aggregation=True`, which kmp takes too); kmp does not
+    sum them again, and every replica still skips a step together. Keras 3
+    always sums.
 ```
 
 `from kmp import mixed_precision` gives kmp's five names under one module, as a

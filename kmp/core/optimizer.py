@@ -318,11 +318,26 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
         value = arguments.checked_learning_rate(value)
         self._inner_optimizer.learning_rate = value
 
+    @property
+    def lr(self):
+        """Keras 2's alias of `learning_rate` (read and assign, with its
+        checks), for code ported from `tf.keras`; Keras 3's optimizers have
+        no `lr`."""
+        return self.learning_rate
+
+    @lr.setter
+    def lr(self, value):
+        self.learning_rate = value
+
     def __setattr__(self, name, value):
-        # Keras's optimizer tracks a variable assigned to an attribute
-        # before a property setter runs: check the learning rate first.
-        if name == "learning_rate" and "_inner_optimizer" in self.__dict__:
-            value = arguments.checked_learning_rate(value)
+        # Keras's optimizer tracks a variable assigned to any attribute
+        # before a property setter runs: the inner optimizer tracks its
+        # learning rate, and the setter checks it before anything changes.
+        if name in ("learning_rate", "lr") and "_inner_optimizer" in (
+            self.__dict__
+        ):
+            object.__setattr__(self, name, value)
+            return
         super().__setattr__(name, value)
 
     # --- Scaling ------------------------------------------------------------
@@ -471,20 +486,50 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
                     name="nonfinite_mask",
                 )
 
-    def apply_gradients(self, grads_and_vars):
+    def apply_gradients(
+        self,
+        grads_and_vars,
+        name: Optional[str] = None,
+        experimental_aggregate_gradients: bool = True,
+        *,
+        skip_gradients_aggregation: bool = False,
+    ):
         """Applies `(gradient, variable)` pairs; returns `iterations`.
+
+        Under a `tf.distribute` strategy the gradients are summed across
+        replicas once, here, unless the caller summed them already.
 
         Args:
             grads_and_vars: `(gradient, variable)` pairs, such as
                 `zip(grads, model.trainable_variables)`.
+            name: Keras 2's name of the returned op; accepted for ported
+                code and not used (Keras 3 names no ops).
+            experimental_aggregate_gradients: Keras 2's switch: False means
+                the gradients are already summed across replicas (as by
+                `replica_context.all_reduce`); they are not summed again,
+                and every replica still skips a step together. (On JAX and
+                torch gradients are never summed here: nothing changes.)
+            skip_gradients_aggregation: Keras 2.11's name for the same:
+                True means already summed.
 
         Returns:
             The optimizer's `iterations` variable.
 
         Raises:
             TypeError, ValueError: see `apply`; also for pairs that are not
-                pairs, and for no pairs at all (an exhausted `zip`).
+                pairs, for no pairs at all (an exhausted `zip`), and for
+                Keras 2's arguments of the wrong type.
         """
+        if name is not None and not isinstance(name, str):
+            raise TypeError(
+                f"'name' must be a string or None. Received: "
+                f"name={checks.describe(name)}"
+            )
+        aggregate = checks.checked_bool(
+            experimental_aggregate_gradients, "experimental_aggregate_gradients"
+        ) and not checks.checked_bool(
+            skip_gradients_aggregation, "skip_gradients_aggregation"
+        )
         if isinstance(grads_and_vars, (str, bytes, Mapping)) or not (
             isinstance(grads_and_vars, Iterable)
         ):
@@ -507,7 +552,9 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
                     "such as zip(grads, model.trainable_variables). Received "
                     f"at position {index}: {checks.describe(pair)}"
                 )
-        self.apply([g for g, _ in pairs], [v for _, v in pairs])
+        self._apply(
+            [g for g, _ in pairs], [v for _, v in pairs], aggregate=aggregate
+        )
         return self.iterations
 
     def apply(self, grads, trainable_variables=None):
@@ -525,6 +572,9 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
                 gradient's shape is not its variable's, or the recipe is
                 ambiguous (see `kmp.core.recipes`).
         """
+        self._apply(grads, trainable_variables, aggregate=True)
+
+    def _apply(self, grads, trainable_variables, aggregate):
         grads = list(grads)
         if trainable_variables is None:
             if not self.built:
@@ -559,7 +609,9 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
         self._recipes.applied()
         with backend_name_scope(self):
             if backend.is_tensorflow():
-                tf_steps.apply(self, grads, trainable_variables, scaled)
+                tf_steps.apply(
+                    self, grads, trainable_variables, scaled, aggregate
+                )
             elif backend.is_jax():
                 stateless.apply_to_variables(
                     self, grads, trainable_variables, scaled

@@ -322,6 +322,16 @@ def checked_gradient_list(grads, argument) -> List:
     for index, gradient in enumerate(grads):
         if gradient is None or checks.is_indexed_slices(gradient):
             continue
+        if isinstance(gradient, (tuple, list)) and any(
+            checks.is_variable(item) for item in gradient
+        ):
+            items = ", ".join(checks.describe(item) for item in gradient)
+            raise TypeError(
+                f"'{argument}' must be the gradients only, not (gradient, "
+                "variable) pairs: pass tape.gradient(...)'s result, or "
+                "[g for g, _ in grads_and_vars]. Received: "
+                f"{argument}[{index}]=({items})"
+            )
         given = gradient
         if isinstance(gradient, (bool, np.bool_)):
             raise TypeError(

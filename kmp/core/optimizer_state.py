@@ -11,8 +11,12 @@ or not the fixed scale of a fixed optimizer raises `ValueError`, and the
 optimizer stays as it was.
 
 An optimizer that `model.compile` made by itself (`keras_file_layout`)
-writes only Keras's variables and the inner optimizer's to `.keras` files,
-so that Keras without kmp loads them, scale included.
+writes Keras's variables and the inner optimizer's where Keras's own
+`LossScaleOptimizer` writes them, so that Keras without kmp loads the file,
+scale included; kmp's counts go to a group of their own
+(`optimizer/_kmp_state`), which Keras without kmp never reads and kmp
+restores with the rest, checked with it: if they are refused, the scale and
+counter just read are put back too.
 """
 
 import warnings
@@ -21,6 +25,7 @@ import keras
 import numpy as np
 from keras import initializers
 from keras import ops
+from keras.src.saving.keras_saveable import KerasSaveable
 
 from kmp.core import backend
 
@@ -58,6 +63,9 @@ class StateMixin:
             self.hysteresis_left = self._state_variable(
                 "hysteresis_left", "int", hysteresis
             )
+        self._kmp_state = _KmpFileState(
+            self._save_kmp_variables, self._load_kmp_variables
+        )
 
     def _state_variable(self, name, dtype, value):
         # Every replica computes the same value; the first one's is kept.
@@ -201,11 +209,17 @@ class StateMixin:
             return self._keras_variables() + self._inner_optimizer.variables
         return self.variables
 
+    def _kmp_variables(self):
+        """kmp's own variables, which Keras's layout keeps apart."""
+        return self._variables[len(self._keras_variables()) :]
+
     def save_own_variables(self, store):
         for index, variable in enumerate(self._file_variables()):
             store[str(index)] = ops.convert_to_numpy(variable)
 
     def load_own_variables(self, store):
+        # Set below once Keras's part of a Keras-layout file is restored.
+        self.__dict__.pop("_before_kmp_load", None)
         variables = self._file_variables()
         if len(store.keys()) != len(variables):
             warnings.warn(
@@ -216,6 +230,20 @@ class StateMixin:
             )
             return
         values = [np.asarray(store[str(i)]) for i in range(len(variables))]
+        self._check_file_values(variables, values)
+        if self.keras_file_layout:
+            # Put back if kmp's part of the file is refused. (Not set as an
+            # attribute: Keras would track the variables in it.)
+            self.__dict__["_before_kmp_load"] = [
+                (variable, np.array(ops.convert_to_numpy(variable)))
+                for variable in self.state_variables().values()
+            ]
+        for variable, value in zip(variables, values):
+            variable.assign(value)
+
+    def _check_file_values(self, variables, values):
+        """Raises ValueError unless `values` fit `variables` (shapes) and
+        the loss-scale state among them is valid."""
         for variable, value in zip(variables, values):
             if tuple(value.shape) != tuple(variable.shape):
                 raise ValueError(
@@ -232,6 +260,27 @@ class StateMixin:
             },
             "the .keras file",
         )
+
+    def _save_kmp_variables(self, store):
+        if self.keras_file_layout:
+            for variable in self._kmp_variables():
+                store[variable.name] = ops.convert_to_numpy(variable)
+
+    def _load_kmp_variables(self, store):
+        # Keras loads this right after the optimizer's own store; without
+        # Keras's part restored (refused, or not this layout) it is left.
+        before = self.__dict__.pop("_before_kmp_load", None)
+        saved = set(store.keys())
+        if before is None or not saved:
+            return  # Not saved: a file of Keras, or of an older kmp.
+        variables = [v for v in self._kmp_variables() if v.name in saved]
+        values = [np.asarray(store[v.name]) for v in variables]
+        try:
+            self._check_file_values(variables, values)
+        except ValueError:
+            for variable, value in before:
+                variable.assign(value)
+            raise
         for variable, value in zip(variables, values):
             variable.assign(value)
 
@@ -333,11 +382,38 @@ class StateMixin:
             if check is None:
                 check = tf_checkpoint.LossScaleCheck(self)
                 object.__setattr__(self, "_checkpoint_check", check)
-            children["loss_scale_check"] = check
+            # A SavedModel freezes Python state in a graph, where the check
+            # cannot read the variables; nothing kmp-made restores it.
+            if save_type != "savedmodel":
+                children["loss_scale_check"] = check
         children.update(
             self._inner_optimizer._trackable_children(save_type, **kwargs)
         )
         return children
+
+
+class _KmpFileState(KerasSaveable):
+    """kmp's counts in a Keras-layout `.keras` file, at their own path.
+
+    Keras's saving walks an optimizer's attributes and gives each
+    `KerasSaveable` its own store, after the optimizer's own; Keras's own
+    `LossScaleOptimizer` has no such attribute, so Keras without kmp loads
+    the file and leaves this group unread.
+    """
+
+    def __init__(self, save, load):
+        # Functions, not the optimizer: Keras would walk into it again.
+        self._save = save
+        self._load = load
+
+    def _obj_type(self):
+        return "Optimizer"
+
+    def save_own_variables(self, store):
+        self._save(store)
+
+    def load_own_variables(self, store):
+        self._load(store)
 
 
 def _plain(value):

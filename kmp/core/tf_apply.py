@@ -181,6 +181,20 @@ def sum_over_replicas(grads):
     return [None if g is None else next(summed) for g in grads]
 
 
+def true_on_every_replica(finite, apply_ok, per_gradient):
+    """The step's flags ANDed across replicas, in one all-reduce.
+
+    For gradients the caller summed: each replica's should be the same, but
+    the decision to skip must be, whatever they are.
+    """
+    flags = [finite, apply_ok, *(per_gradient or [])]
+    failed = tf.cast(tf.logical_not(tf.stack(flags)), tf.float32)
+    replica_context = tf.distribute.get_replica_context()
+    failed = replica_context.all_reduce(tf.distribute.ReduceOp.SUM, failed)
+    finite, apply_ok, *agreed = tf.unstack(tf.equal(failed, 0.0))
+    return finite, apply_ok, agreed if per_gradient is not None else None
+
+
 def nested_optimizers(optimizer) -> list:
     """`optimizer` and every Keras optimizer held inside it, once each.
 

@@ -10,6 +10,12 @@ TensorFlow restores before any tensor of the checkpoint: a bad state is
 refused before the model or the optimizer changes at all. (A checkpoint
 without it, written by kmp 0.1, is checked by `LossScaleState` alone,
 after TensorFlow may have restored other objects.)
+
+A SavedModel (`tf.saved_model.save`) writes the same values; there the
+state variables are also children of `LossScaleState`, so that the
+SavedModel copies them into its graph and `tf.saved_model.load` gives them
+back, and `LossScaleCheck` is left out: it reads the variables as Python
+values, which code in a SavedModel's graph cannot.
 """
 
 import json
@@ -26,17 +32,49 @@ tf = backend.tensorflow()
 class LossScaleState(trackable_base.Trackable):
     """The checkpointed state of one `LossScaleOptimizer`."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, exported=None):
         self._optimizer = optimizer
+        # name -> the copy of each variable in a SavedModel's graph.
+        self._exported = exported
 
-    def _serialize_to_tensors(self):
+    def _tf_variables(self):
+        if self._exported is not None:
+            return self._exported
         return {
-            name: tf.convert_to_tensor(variable.value)
+            name: variable.value
             for name, variable in self._optimizer.state_variables().items()
         }
 
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        # A SavedModel copies into its graph only the variables of its
+        # object graph; a checkpoint keeps the values as this object's own.
+        if save_type == "savedmodel" and self._exported is None:
+            return dict(self._optimizer.state_variables())
+        return {}
+
+    def _deserialization_dependencies(self, children):
+        return children
+
+    def _export_to_saved_model_graph(
+        self, object_map, tensor_map, options, **kwargs
+    ):
+        object_map[self] = LossScaleState(
+            self._optimizer,
+            {
+                name: object_map[variable.value]
+                for name, variable in self._optimizer.state_variables().items()
+            },
+        )
+        return []
+
+    def _serialize_to_tensors(self):
+        return {
+            name: tf.convert_to_tensor(variable)
+            for name, variable in self._tf_variables().items()
+        }
+
     def _restore_from_tensors(self, restored_tensors):
-        variables = self._optimizer.state_variables()
+        variables = self._tf_variables()
         known = {
             name: tensor
             for name, tensor in restored_tensors.items()
@@ -49,9 +87,7 @@ class LossScaleState(trackable_base.Trackable):
             )
         return tf.group(
             [
-                variables[name].value.assign(
-                    tf.cast(tensor, variables[name].value.dtype)
-                )
+                variables[name].assign(tf.cast(tensor, variables[name].dtype))
                 for name, tensor in known.items()
             ]
         )

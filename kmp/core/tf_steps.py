@@ -16,14 +16,25 @@ from kmp.core.fused import FusedAdam
 tf = backend.tensorflow()
 
 
-def apply(optimizer, grads, variables, scaled: bool) -> None:
-    """Applies one step of `optimizer` (already built) with `grads`."""
+def apply(
+    optimizer, grads, variables, scaled: bool, aggregate: bool = True
+) -> None:
+    """Applies one step of `optimizer` (already built) with `grads`.
+
+    With `aggregate=False` the caller summed the gradients across replicas
+    already: they are not summed again, and the replicas AND their finite
+    checks, so that every one skips a step together all the same.
+    """
     distributed = tf.distribute.has_strategy()
-    if distributed:
+    if distributed and aggregate:
         grads = tf_apply.sum_over_replicas(grads)
     grads, finite, apply_ok, per_gradient = steps.prepare(
         optimizer, grads, variables, scaled
     )
+    if distributed and not aggregate:
+        finite, apply_ok, per_gradient = tf_apply.true_on_every_replica(
+            finite, apply_ok, per_gradient
+        )
     inner = optimizer.inner_optimizer
     if tf.executing_eagerly() and not distributed:
         if bool(apply_ok):

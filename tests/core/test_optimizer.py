@@ -81,6 +81,40 @@ def test_learning_rate_reads_and_assigns_the_inner_optimizer():
     np.testing.assert_array_equal(np.array(variable), [0.5])
 
 
+def test_lr_is_keras_2s_alias_of_learning_rate():
+    # Code ported from tf.keras reads and assigns `lr` (NVIDIA's schedulers:
+    # optimizer.lr.assign(...)); Keras 3's optimizers have no `lr`.
+    inner = keras.optimizers.SGD(0.25)
+    optimizer = LossScaleOptimizer(inner)
+    assert float(optimizer.lr) == 0.25
+    optimizer.lr = 0.5
+    assert float(inner.learning_rate) == 0.5
+    optimizer.lr.assign(0.125)
+    assert float(optimizer.learning_rate) == 0.125
+
+    def attempt():
+        with pytest.raises(ValueError, match="learning_rate"):
+            optimizer.lr = float("nan")
+
+    training.assert_unchanged_by(optimizer, attempt)
+    assert float(inner.learning_rate) == 0.125
+
+
+@pytest.mark.parametrize("attribute", ["learning_rate", "lr"])
+def test_a_learning_rate_variable_is_the_inner_optimizers_only(attribute):
+    # Keras tracks a variable assigned to an optimizer attribute: the inner
+    # optimizer tracks its learning rate, the wrapper must not track it too
+    # (it would be in optimizer.variables twice).
+    inner = keras.optimizers.SGD(0.1)
+    optimizer = LossScaleOptimizer(inner)
+    count = len(optimizer.variables)
+    rate = keras.Variable(0.5, name="rate")
+    setattr(optimizer, attribute, rate)
+    assert float(inner.learning_rate) == 0.5
+    assert sum(v is rate for v in optimizer.variables) == 1
+    assert len(optimizer.variables) == count + 1
+
+
 def test_iterations_counts_applied_steps_of_the_inner_optimizer():
     inner = keras.optimizers.SGD(0.1)
     optimizer = LossScaleOptimizer(inner)
@@ -268,6 +302,27 @@ def test_apply_gradients_of_no_pairs_is_refused(pairs):
     def attempt():
         with pytest.raises(ValueError, match="holds no \\(gradient, variable"):
             optimizer.apply_gradients(pairs)
+
+    training.assert_unchanged_by(optimizer, attempt)
+
+
+@pytest.mark.parametrize("container", ["list", "zip"])
+def test_get_unscaled_gradients_refuses_gradient_variable_pairs(container):
+    # Each pair used to be stacked into one tensor of shape (2, ...), for
+    # apply_gradients to refuse later.
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=4)
+    variable = keras.Variable([1.0, 2.0])
+    pairs = zip([backends.tensor([4.0, 8.0])], [variable])
+    if container == "list":
+        pairs = list(pairs)
+
+    def attempt():
+        with pytest.raises(
+            TypeError,
+            match=r"gradients only, not \(gradient, variable\) pairs.*"
+            r"Received: grads\[0\]=\(a tensor .* shape \(2,\), a variable",
+        ):
+            optimizer.get_unscaled_gradients(pairs)
 
     training.assert_unchanged_by(optimizer, attempt)
 

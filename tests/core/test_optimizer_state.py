@@ -20,6 +20,7 @@ import re
 import tempfile
 import zipfile
 
+import h5py
 import keras
 import ml_dtypes
 import numpy as np
@@ -258,6 +259,40 @@ def test_checkpoint_holds_the_inner_optimizer_and_the_loss_scale_state():
     }
 
 
+@pytest.mark.tensorflow
+@pytest.mark.parametrize("how", ["saved_model", "export"])
+def test_model_with_the_optimizer_saves_as_a_saved_model(tmp_path, how):
+    """tf.saved_model.save (which saves the optimizer too) and model.export
+    work as with Keras's own LossScaleOptimizer, and the SavedModel loads
+    back for inference; a SavedModel keeps the loss-scale state."""
+    tf = backends.tensorflow()
+    model = training.model()
+    model.compile(
+        optimizer=LossScaleOptimizer(
+            keras.optimizers.Adam(0.01), initial_scale=64
+        ),
+        loss="mse",
+    )
+    training.fit_steps(model, [X_FINITE, X_INF])
+    assert training.optimizer_state(model.optimizer) == (32.0, 0, 1, 1)
+    path = str(tmp_path / "saved")
+    if how == "saved_model":
+        tf.saved_model.save(model, path)
+    else:
+        model.export(path, verbose=False)
+    loaded = tf.saved_model.load(path)
+    if how == "saved_model":
+        serve = loaded.signatures["serving_default"]
+        (name,) = serve.structured_input_signature[1]
+        (outputs,) = serve(**{name: tf.constant(X_FINITE)}).values()
+        state = loaded.optimizer.loss_scale_state
+        assert float(state.scale.numpy()) == 32.0
+        assert int(state.skipped_steps.numpy()) == 1
+    else:
+        outputs = loaded.serve(tf.constant(X_FINITE))
+    np.testing.assert_array_equal(outputs.numpy(), np.array(model(X_FINITE)))
+
+
 # --- Restored state is checked ------------------------------------------------
 
 
@@ -427,6 +462,94 @@ def test_scale_at_a_bound_not_exact_in_float32_restores(
     restored = _restored_through(model, how, tmp_path)
     _assert_same_state(restored, model)
     assert float(restored.optimizer.loss_scale) == float(np.float32(scale))
+
+
+def _compile_made(skipped, in_a_row, scale):
+    """A model compiled with "adam" under mixed_float16 (kmp's optimizer in
+    Keras's file layout), one step fitted, then its state set."""
+    kmp.set_global_policy("mixed_float16")
+    model = training.model()
+    model.compile(optimizer="adam", loss="mse")
+    training.fit_steps(model, [X_FINITE])
+    optimizer = model.optimizer
+    assert optimizer.keras_file_layout
+    optimizer.skipped_steps_variable.assign(skipped)
+    optimizer.consecutive_skips_variable.assign(in_a_row)
+    optimizer.dynamic_scale.assign(scale)
+    return model
+
+
+def test_keras_layout_file_keeps_kmps_counts(tmp_path):
+    model = _compile_made(skipped=5, in_a_row=3, scale=2.0**9)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    with zipfile.ZipFile(path) as archive:
+        archive.extract("model.weights.h5", tmp_path)
+    with h5py.File(tmp_path / "model.weights.h5") as weights:
+        assert sorted(weights["optimizer/_kmp_state/vars"]) == [
+            "consecutive_skips",
+            "hysteresis_left",
+            "skipped_steps",
+        ]
+        # Keras's own groups hold what Keras's LossScaleOptimizer writes.
+        assert len(weights["optimizer/vars"]) == 4 + len(
+            model.optimizer.inner_optimizer.variables
+        )
+    loaded = training.load_model_without_skipping(path)
+    assert training.optimizer_state(loaded.optimizer) == (2.0**9, 1, 5, 1)
+    assert int(loaded.optimizer.consecutive_skips) == 3
+    assert int(loaded.optimizer.hysteresis_left) == 1
+
+
+def test_keras_layout_file_without_kmps_group_loads(tmp_path):
+    """A file of Keras's own LossScaleOptimizer (or of an older kmp) has no
+    group for kmp's counts: they start afresh, the rest is restored."""
+    model = _compile_made(skipped=5, in_a_row=3, scale=2.0**9)
+    path = tmp_path / "model.keras"
+    model.save(str(path))
+    stripped = tmp_path / "stripped.keras"
+    with (
+        zipfile.ZipFile(path) as source,
+        zipfile.ZipFile(stripped, "w") as target,
+    ):
+        for item in source.infolist():
+            data = source.read(item.filename)
+            if item.filename == "model.weights.h5":
+                weights_path = tmp_path / "model.weights.h5"
+                weights_path.write_bytes(data)
+                with h5py.File(weights_path, "r+") as weights:
+                    del weights["optimizer/_kmp_state"]
+                data = weights_path.read_bytes()
+            target.writestr(item, data)
+    loaded = training.load_model_without_skipping(str(stripped))
+    assert training.optimizer_state(loaded.optimizer) == (2.0**9, 1, 0, 1)
+    assert int(loaded.optimizer.consecutive_skips) == 0
+
+
+@pytest.mark.parametrize(
+    "state, fragment",
+    [
+        ({"skipped": -1, "in_a_row": 0}, "skipped_steps=-1"),
+        ({"skipped": 4, "in_a_row": -2}, "consecutive_skips=-2"),
+    ],
+    ids=["skipped_negative", "in_a_row_negative"],
+)
+def test_keras_layout_file_with_bad_counts_restores_no_loss_scale_state(
+    tmp_path, state, fragment
+):
+    model = _compile_made(scale=2.0**9, **state)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    with pytest.raises(ValueError, match=fragment):
+        keras.saving.load_model(path)
+    target = _compile_made(skipped=2, in_a_row=1, scale=2.0**12)
+    before = training.values(target.optimizer.state_variables().values())
+    with pytest.raises(ValueError, match=fragment):
+        target.load_weights(path)
+    # The scale and counter, read first from Keras's part, are put back.
+    training.assert_weights_equal(
+        training.values(target.optimizer.state_variables().values()), before
+    )
 
 
 # --- safe_mode ----------------------------------------------------------------

@@ -244,3 +244,29 @@ def test_which_updates_are_applied_before_the_check():
     many = [keras.Variable(np.zeros((64, 64), "float32")) for _ in range(20)]
     many += [keras.Variable(np.zeros((64,), "float32")) for _ in range(20)]
     assert can(keras.optimizers.Adam(), [tf.zeros(v.shape) for v in many], many)
+
+
+@pytest.mark.parametrize("record", [False, True], ids=["flags", "per_gradient"])
+def test_true_on_every_replica_ands_each_flag_across_replicas(
+    two_replicas, record
+):
+    """For gradients the caller summed: a flag false on one replica is
+    false on all, so that all skip together."""
+
+    def replica_step():
+        index = tf.distribute.get_replica_context().replica_id_in_sync_group
+        finite = tf.not_equal(index, 1)
+        per_gradient = [tf.constant(True), tf.equal(index, 0)]
+        finite, apply_ok, per_gradient = tf_apply.true_on_every_replica(
+            finite, tf.constant(True), per_gradient if record else None
+        )
+        if not record:
+            assert per_gradient is None
+            return tf.stack([finite, apply_ok])
+        return tf.stack([finite, apply_ok, *per_gradient])
+
+    results = two_replicas.experimental_local_results(
+        two_replicas.run(tf.function(replica_step))
+    )
+    expected = [False, True, True, False] if record else [False, True]
+    assert [r.numpy().tolist() for r in results] == [expected, expected]

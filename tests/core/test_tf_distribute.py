@@ -164,6 +164,118 @@ def test_apply_gradients_in_cross_replica_context_is_refused(two_replicas):
             optimizer.apply_gradients([(tf.constant([1.0]), variable)])
 
 
+# --- Gradients the caller summed (Keras 2's aggregation switch) ---------------
+
+
+def _pre_summed_run(strategy, how, steps=2, nan_on_replica_1=False):
+    """Adam on a tiny model, one half batch per replica, `steps` steps.
+
+    `how`: "keras" (plain Keras Adam, which sums the replicas' gradients),
+    "kmp" (kmp's optimizer given the same per-replica gradients),
+    "experimental_aggregate_gradients" / "skip_gradients_aggregation" (the
+    caller all-reduces the gradients and tells kmp they are summed).
+    Returns each variable's per-replica values, model's then optimizer's.
+    """
+    x, y = rel.make_data(batches=1)
+    halves = (tf.constant(np.split(x, 2)), tf.constant(np.split(y, 2)))
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential(rel.make_layers())
+        inner = keras.optimizers.Adam(0.01)
+        optimizer = inner if how == "keras" else kmp.LossScaleOptimizer(inner)
+        optimizer.build(model.trainable_variables)
+
+    def replica_step():
+        context = tf.distribute.get_replica_context()
+        index = context.replica_id_in_sync_group
+        with tf.GradientTape() as tape:
+            error = model(halves[0][index]) - halves[1][index]
+            loss = tf.reduce_sum(tf.square(error)) / rel.GLOBAL_BATCH
+        grads = tape.gradient(loss, model.trainable_variables)
+        pairs = zip(grads, model.trainable_variables)
+        if how in ("keras", "kmp"):
+            optimizer.apply_gradients(pairs)
+            return
+        grads = context.all_reduce(tf.distribute.ReduceOp.SUM, grads)
+        if nan_on_replica_1:  # The replicas disagree: all must skip.
+            grads[0] += tf.where(index == 1, float("nan"), 0.0)
+        pairs = zip(grads, model.trainable_variables)
+        if how == "experimental_aggregate_gradients":
+            optimizer.apply_gradients(pairs, None, False)
+        else:
+            optimizer.apply_gradients(pairs, skip_gradients_aggregation=True)
+
+    step = tf.function(lambda: strategy.run(replica_step))
+    for _ in range(steps):
+        step()
+    inner_variables = inner.variables
+    return optimizer, [
+        rel.local_values(v, strategy)
+        for v in list(model.weights) + list(inner_variables)
+    ]
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "kmp",
+        "experimental_aggregate_gradients",
+        "skip_gradients_aggregation",
+    ],
+)
+def test_gradients_are_summed_across_replicas_exactly_once(two_replicas, how):
+    """As plain Keras Adam, bit for bit: summed twice, Adam's first moments
+    would be twice as large."""
+    _, reference = _pre_summed_run(two_replicas, "keras")
+    optimizer, result = _pre_summed_run(two_replicas, how)
+    assert int(np.array(optimizer.iterations)) == 2
+    assert int(optimizer.skipped_steps) == 0
+    assert len(result) == len(reference)
+    for replicas, expected in zip(result, reference):
+        for value, reference_value in zip(replicas, expected):
+            assert value.tobytes() == reference_value.tobytes()
+
+
+def test_pre_summed_gradients_finite_on_one_replica_skip_on_all(two_replicas):
+    optimizer, result = _pre_summed_run(
+        two_replicas,
+        "experimental_aggregate_gradients",
+        steps=1,
+        nan_on_replica_1=True,
+    )
+    keras.utils.set_random_seed(0)
+    with two_replicas.scope():
+        fresh = keras.Sequential(rel.make_layers())
+    for replicas, initial in zip(result, fresh.weights):
+        for value in replicas:
+            assert value.tobytes() == np.array(initial).tobytes()
+    assert int(np.array(optimizer.iterations)) == 0
+    assert int(optimizer.skipped_steps) == 1
+    _assert_replicas_agree(
+        {
+            name: rel.local_values(variable, two_replicas)
+            for name, variable in optimizer.state_variables().items()
+        }
+    )
+
+
+def test_keras_2s_apply_gradients_arguments_are_checked(two_replicas):
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    variable = keras.Variable([1.0])
+    pairs = [(tf.constant([1.0]), variable)]
+    with pytest.raises(TypeError, match="'name' must be a string or None"):
+        optimizer.apply_gradients(pairs, 3)
+    with pytest.raises(
+        TypeError, match="'experimental_aggregate_gradients' must be True"
+    ):
+        optimizer.apply_gradients(pairs, experimental_aggregate_gradients=0)
+    assert int(optimizer.iterations) == 0
+    optimizer.apply_gradients(
+        pairs, "step", experimental_aggregate_gradients=False
+    )
+    np.testing.assert_allclose(np.array(variable), [0.9])
+
+
 # --- model.fit ----------------------------------------------------------------
 
 
@@ -338,7 +450,8 @@ def test_one_device_strategy_fit_skips_a_non_finite_step():
     x = np.ones((8, 3), "float32")
     y = np.ones((8, 2), "float32")
     model.fit(x, y, batch_size=4, epochs=1, verbose=0)
-    assert int(optimizer.iterations) == 2 and int(optimizer.skipped_steps) == 0
+    assert int(np.array(optimizer.iterations)) == 2
+    assert int(optimizer.skipped_steps) == 0
     before = [w.copy() for w in model.get_weights()]
     y_bad = y.copy()
     y_bad[0, 0] = np.inf

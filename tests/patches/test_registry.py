@@ -9,6 +9,7 @@ import warnings
 
 import keras
 import pytest
+from keras.src.saving import object_registration
 
 import kmp
 from kmp import patches
@@ -138,15 +139,29 @@ def test_reloading_a_module_never_wraps_a_wrapper(module):
         pytest.skip("TensorFlow-only patch")
     reloaded = importlib.import_module(module)
     saved = dict(reloaded.__dict__)
+    registered = (
+        dict(object_registration.GLOBAL_CUSTOM_OBJECTS),
+        dict(object_registration.GLOBAL_CUSTOM_NAMES),
+    )
     try:
         importlib.reload(reloaded)
         patches.install(*_expected_defaults())
         _check_patches_after_reload()
     finally:
         # Later tests (and kmp's other modules) use the classes and
-        # functions of the first import: put them back.
+        # functions of the first import: put them back, also where Keras
+        # finds them to load a file.
         reloaded.__dict__.clear()
         reloaded.__dict__.update(saved)
+        for registry_dict, before in zip(
+            (
+                object_registration.GLOBAL_CUSTOM_OBJECTS,
+                object_registration.GLOBAL_CUSTOM_NAMES,
+            ),
+            registered,
+        ):
+            registry_dict.clear()
+            registry_dict.update(before)
         patches.uninstall()
         patches.install(*_expected_defaults())
     with kmp.policy_scope("mixed_float16"):
