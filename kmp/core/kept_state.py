@@ -9,21 +9,23 @@ training call. When a float16 layer overflows, the moving statistics
 become inf/NaN and the model predicts NaN from then on, while training
 itself goes on. Both forms here put such state back on a skipped step:
 
-* `KeptStates.keep(variables)`, for stateful steps (TensorFlow, torch, JAX
-  outside `jax.jit`): entering reads the variables; a step of the optimizer
-  inside the block that is skipped writes those values back, as part of the
-  step, in the branch that skips it (before a persistent-skips "raise").
-  Nothing is checked again and nothing waits for the device: TensorFlow
-  reads each variable once per step (a reference, no copy) and, in a graph,
-  adds the writes to the conditional the step has for skipping; JAX keeps
-  references (its arrays never change); torch copies the variables, which
-  it writes in place.
-* `select(...)`, for JAX's stateless steps: of the values before and after
-  the step, those before where the step that returned `optimizer_variables`
-  was skipped; one select per value the step changed (XLA elides the rest).
+* `KeptStates.keep(variables)` (`keep_on_skip`), for stateful steps
+  (TensorFlow, torch, JAX outside `jax.jit`): entering reads the variables;
+  a step of the optimizer inside the block that is skipped writes those
+  values back, as part of the step, in the branch that skips it (before a
+  persistent-skips "raise"). Nothing is checked again and nothing waits
+  for the device: TensorFlow reads each variable once per step (a
+  reference, no copy) and, in a graph, writes inside the conditional the
+  step already has for a skip (under a merge-call `tf.distribute` strategy,
+  in one of its own); JAX keeps references (its arrays never change);
+  torch copies the variables, which it writes in place.
+* `select(...)` (`stateless_keep_on_skip`), for JAX's stateless steps: of
+  the values before and after the step, those before if the step that
+  returned `optimizer_variables` was skipped; one cond over the values the
+  step wrote (the others are passed through).
 
-`fit` uses them by itself (the `compile` patch), on `model.non_trainable_
-variables`.
+`fit` uses them by itself (the `compile` patch), on
+`model.non_trainable_variables`.
 """
 
 import contextlib
