@@ -149,11 +149,10 @@ def test_a_skipped_step_restores_what_its_forward_pass_wrote(mode):
     assert states[1] != states[0]
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_without_it_the_statistics_turn_non_finite(mode):
-    # What the tests above guard against: the loop alone keeps inf/NaN.
+def test_without_it_the_statistics_turn_non_finite():
+    # What the test above guards against: the loop alone keeps inf/NaN.
     _, model, optimizer = _run(
-        overflow.X_OVERFLOW, overflow.Y, mode, keep=False
+        overflow.X_OVERFLOW, overflow.Y, "eager", keep=False
     )
     assert int(optimizer.skipped_steps) == 1
     moving_mean = model.layers[1].moving_mean
