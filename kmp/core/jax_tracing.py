@@ -33,15 +33,33 @@ def frozen_in_trace(value) -> bool:
     return jax_utils.is_in_jax_tracing_scope()
 
 
-def check_live_scale(scale, called: str, instead: str) -> None:
-    """Raises if the loss scale `called` read is frozen into a trace.
+# What to call inside jax.jit instead of each stateful scaling method.
+_STATELESS_CALLS = {
+    "scale_loss": "optimizer.stateless_scale_loss(optimizer_variables, loss)",
+    "get_scaled_loss": (
+        "optimizer.stateless_scale_loss(optimizer_variables, loss), then "
+        "optimizer.stateless_unscale_gradients(optimizer_variables, grads) "
+        "and optimizer.stateless_apply(optimizer_variables, grads, "
+        "trainable_variables, scaled=False)"
+    ),
+    "get_unscaled_gradients": (
+        "optimizer.stateless_unscale_gradients(optimizer_variables, grads)"
+    ),
+}
+
+
+def check_live_scale(scale, method: str) -> None:
+    """Raises if the loss scale `method` (of `LossScaleOptimizer`) read is
+    frozen into a trace.
 
     Raises:
-        RuntimeError: `frozen_in_trace(scale)`; the message names `instead`.
+        RuntimeError: `frozen_in_trace(scale)`; the message names the
+            stateless call to use instead.
     """
     if frozen_in_trace(scale):
+        instead = _STATELESS_CALLS[method]
         raise RuntimeError(
-            f"{called} was called inside a function jax.jit is tracing, "
+            f"{method}() was called inside a function jax.jit is tracing, "
             "where it would read the loss scale once, at trace time, and "
             "the compiled step would keep that value as a constant; the "
             "scale changes after a skipped step, and updates would then be "

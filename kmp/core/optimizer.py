@@ -342,14 +342,7 @@ class LossScaleOptimizer(
                 scale read would be a constant): use
                 `stateless_scale_loss`.
         """
-        scaled = self._scaled(
-            loss,
-            self._live_scale(
-                [loss],
-                "scale_loss()",
-                "optimizer.stateless_scale_loss(optimizer_variables, loss)",
-            ),
-        )
+        scaled = self._scaled(loss, self._live_scale([loss], "scale_loss"))
         self._recipes.scale_called(recipes_module.SCALED)
         return scaled
 
@@ -371,18 +364,7 @@ class LossScaleOptimizer(
         """
         if callable(loss) and not checks.is_tensor(loss):
             return lambda: self.get_scaled_loss(loss())
-        scaled = self._scaled(
-            loss,
-            self._live_scale(
-                [loss],
-                "get_scaled_loss()",
-                "optimizer.stateless_scale_loss(optimizer_variables, loss), "
-                "then optimizer.stateless_unscale_gradients("
-                "optimizer_variables, grads) and optimizer.stateless_apply("
-                "optimizer_variables, grads, trainable_variables, "
-                "scaled=False)",
-            ),
-        )
+        scaled = self._scaled(loss, self._live_scale([loss], "get_scaled_loss"))
         self._recipes.scale_called(recipes_module.UNSCALED)
         return scaled
 
@@ -405,11 +387,7 @@ class LossScaleOptimizer(
                 `stateless_unscale_gradients` there.
         """
         grads = arguments.checked_gradient_list(grads, "grads")
-        scale = self._live_scale(
-            grads,
-            "get_unscaled_gradients()",
-            "optimizer.stateless_unscale_gradients(optimizer_variables, grads)",
-        )
+        scale = self._live_scale(grads, "get_unscaled_gradients")
         with backend_name_scope(self):
             unscaled = scaling.unscale_gradients(grads, scale)
         self._recipes.unscale_called(grads, unscaled)
@@ -443,13 +421,11 @@ class LossScaleOptimizer(
         self._recipes.unscale_called(grads, unscaled)
         return unscaled
 
-    def _live_scale(self, given, called, instead):
+    def _live_scale(self, given, method):
         """The scale variable, checked on JAX: inside `jax.jit` (not in a
         `StatelessScope` that maps it) its value would be a constant."""
         if backend.is_jax() and jax_tracing.any_tracer(given):
-            jax_tracing.check_live_scale(
-                self.dynamic_scale.value, called, instead
-            )
+            jax_tracing.check_live_scale(self.dynamic_scale.value, method)
         return self.dynamic_scale
 
     def _scaled(self, loss, scale):
