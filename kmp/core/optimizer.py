@@ -11,7 +11,8 @@ and in a row) and the hysteresis count. Every step it
   alike; `torch.distributed` processes agree on it) and applies them with
   the inner optimizer only if all are finite:
   a skipped step ends with the variables, the inner optimizer's slots and
-  `iterations` exactly as they were;
+  `iterations` exactly as they were, and with the variables open
+  `keep_on_skip` blocks read (`kmp.core.kept_state`) written back;
 * assigns the state `kmp.core.loss_scale.ScaleRule.next` returns (a fixed
   scale is left as it is).
 
@@ -30,6 +31,7 @@ from keras.src.saving import serialization_lib
 
 from kmp.core import backend
 from kmp.core import checks
+from kmp.core import kept_state
 from kmp.core import loss_scale as rule_module
 from kmp.core import optimizer_arguments as arguments
 from kmp.core import recipes as recipes_module
@@ -44,6 +46,8 @@ from kmp.core.optimizer_state import read_value
 if backend.is_tensorflow():
     from kmp.core import tf_apply
     from kmp.core import tf_steps
+if backend.is_jax():
+    from kmp.core import jax_tracing
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 _KerasOptimizer = keras.optimizers.Optimizer
@@ -51,7 +55,9 @@ _MAX_SKIPS = 2**31 - 1
 
 
 @keras.saving.register_keras_serializable(package="kmp")
-class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
+class LossScaleOptimizer(
+    StateMixin, kept_state.KeepOnSkipMixin, _KerasLossScaleOptimizer
+):
     """Wraps a Keras optimizer and scales the loss so float16 gradients survive.
 
     Under `mixed_float16`, small gradients underflow to zero in float16.
@@ -82,7 +88,28 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
         optimizer.apply_gradients(zip(scaled_grads, vars))
 
     On JAX, `stateless_scale_loss` / `stateless_unscale_gradients` take the
-    optimizer's variables explicitly, for loops over `stateless_apply`.
+    optimizer's variables explicitly, for loops over `stateless_apply`
+    (inside `jax.jit` the stateful calls raise: the scale they read would
+    be a constant of the compiled step).
+
+    What a skipped step leaves exactly as it was, bit for bit:
+
+    * always: the variables it was to update, the inner optimizer's slots
+      and `iterations`;
+    * in `fit` (with kmp's `compile` patch, installed by `import kmp`): also
+      the model's non-trainable variables (`model.non_trainable_variables`:
+      BatchNormalization's moving statistics, seed-generator states, any
+      variable a layer assigns in its training call), which the forward
+      pass of the same step wrote (inf/NaN after a float16 overflow);
+    * in a custom loop: the variables passed to `keep_on_skip` (around the
+      whole step) or, in a JAX loop, the values `stateless_keep_on_skip`
+      picks.
+
+    Not restored: the loss-scale state (it records the skip); Keras metrics
+    (they record the step's loss, inf/NaN included, as Keras's and
+    tf.keras's loss-scale optimizers do, so the logs show the overflow);
+    other state outside these (another optimizer's, Python attributes, a
+    custom `train_step`'s own variables unless passed to `keep_on_skip`).
 
     A step not finite on one replica or process is skipped on all. Under
     `torch.distributed`, every process calls `apply_gradients` at each step
@@ -214,6 +241,7 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
         self._record_nonfinite = record_nonfinite
         self._warned_persistent_skips = False
         self._recipes = recipes_module.Recipes()
+        self._kept_states = kept_state.KeptStates()
         self.nonfinite_mask = None
         self._create_state_variables()
 
@@ -356,8 +384,12 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
 
         Raises:
             TypeError: `loss` is not floating point.
+            RuntimeError: on JAX, inside `jax.jit` outside a Keras
+                `StatelessScope` that maps the optimizer's variables (the
+                scale read would be a constant): use
+                `stateless_scale_loss`.
         """
-        scaled = self._scaled(loss, self.dynamic_scale)
+        scaled = self._scaled(loss, self._live_scale([loss], "scale_loss"))
         self._recipes.scale_called(recipes_module.SCALED)
         return scaled
 
@@ -376,10 +408,13 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
 
         Raises:
             TypeError: `loss` is not floating point.
+            RuntimeError: on JAX, inside `jax.jit` (the scale read would be
+                a constant of the compiled step): use
+                `stateless_scale_loss` there.
         """
         if callable(loss) and not checks.is_tensor(loss):
             return lambda: self.get_scaled_loss(loss())
-        scaled = self._scaled(loss, self.dynamic_scale)
+        scaled = self._scaled(loss, self._live_scale([loss], "get_scaled_loss"))
         self._recipes.scale_called(recipes_module.UNSCALED)
         return scaled
 
@@ -397,10 +432,14 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
 
         Raises:
             TypeError: `grads` is not an iterable of gradients.
+            RuntimeError: on JAX, inside `jax.jit` (the scale read would be
+                a constant of the compiled step): use
+                `stateless_unscale_gradients` there.
         """
         grads = arguments.checked_gradient_list(grads, "grads")
+        scale = self._live_scale(grads, "get_unscaled_gradients")
         with backend_name_scope(self):
-            unscaled = scaling.unscale_gradients(grads, self.dynamic_scale)
+            unscaled = scaling.unscale_gradients(grads, scale)
         self._recipes.unscale_called(grads, unscaled)
         return unscaled
 
@@ -455,6 +494,13 @@ class LossScaleOptimizer(StateMixin, _KerasLossScaleOptimizer):
         unscaled = scaling.unscale_gradients(grads, scale)
         self._recipes.unscale_called(grads, unscaled)
         return unscaled
+
+    def _live_scale(self, given, method):
+        """The scale variable, checked on JAX: inside `jax.jit` (not in a
+        `StatelessScope` that maps it) its value would be a constant."""
+        if backend.is_jax() and jax_tracing.any_tracer(given):
+            jax_tracing.check_live_scale(self.dynamic_scale.value, method)
+        return self.dynamic_scale
 
     def _scaled(self, loss, scale):
         loss = arguments.checked_loss(loss)

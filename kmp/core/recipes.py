@@ -119,8 +119,13 @@ class Recipes:
         """A step was applied: the given gradients need not be kept."""
         self._state().given_for = {}
 
-    def grads_are_scaled(self, grads: List) -> bool:
+    def grads_are_scaled(self, grads: List, stateless: bool = False) -> bool:
         """Whether `apply_gradients` must unscale `grads`; see above.
+
+        Args:
+            grads: The gradients given to the step.
+            stateless: Whether `stateless_apply` was called (the error then
+                names its `scaled=False`).
 
         Raises:
             ValueError: after `scale_loss` and `get_unscaled_gradients`,
@@ -138,6 +143,19 @@ class Recipes:
             return True
         if all(self._is_input(g) for g in present) and not any(outputs):
             return True
+        if stateless:
+            raise ValueError(
+                "Cannot tell whether the gradients passed to stateless_apply "
+                "are scaled: this optimizer's stateless_scale_loss() (or "
+                "scale_loss()) was called, then stateless_unscale_gradients() "
+                "(or get_unscaled_gradients()), but stateless_apply got "
+                "neither the gradients given to it nor the ones it returned "
+                "(transformed ones, such as clipped, or a mix). For "
+                "gradients you unscaled, say so: optimizer.stateless_apply("
+                "optimizer_variables, grads, trainable_variables, "
+                "scaled=False); for gradients of the scaled loss, pass "
+                "scaled=True."
+            )
         raise ValueError(
             "Cannot tell whether the gradients passed to apply_gradients are "
             "scaled: this optimizer's scale_loss() was called (the Keras 3 "

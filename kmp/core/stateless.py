@@ -58,7 +58,7 @@ def apply(
             "(as for Keras's optimizers): use apply_gradients."
         )
     if scaled is None:
-        scaled = optimizer._recipes.grads_are_scaled(grads)
+        scaled = optimizer._recipes.grads_are_scaled(grads, stateless=True)
     grads = steps.raw_overwrite_gradients(optimizer, grads, variables)
     optimizer._recipes.applied()
     own_count = len(optimizer._variables)
@@ -120,12 +120,22 @@ def apply_to_variables(optimizer, grads, variables, scaled):
         variable.assign(value)
     for variable, value in zip(optimizer.variables, new_optimizer):
         variable.assign(value)
+    if optimizer._kept_states.current() is not None and not bool(
+        ops.convert_to_numpy(optimizer.consecutive_skips) == 0
+    ):
+        steps.restore_kept_state(optimizer)
     optimizer.report_persistent_skips_now()
 
 
 def scale_of(optimizer, optimizer_variables):
     """The loss scale among `optimizer_variables` (values of
     `optimizer.variables`, in order)."""
+    return value_of(optimizer, optimizer_variables, optimizer.dynamic_scale)
+
+
+def value_of(optimizer, optimizer_variables, variable):
+    """The value of `variable` (one of `optimizer.variables`) among
+    `optimizer_variables` (their values, in order)."""
     optimizer_variables = list(optimizer_variables)
     if len(optimizer_variables) != len(optimizer.variables):
         raise ValueError(
@@ -133,11 +143,7 @@ def scale_of(optimizer, optimizer_variables):
             f"optimizer.variables ({len(optimizer.variables)}). Received "
             f"{len(optimizer_variables)} values."
         )
-    index = next(
-        i
-        for i, v in enumerate(optimizer.variables)
-        if v is optimizer.dynamic_scale
-    )
+    index = next(i for i, v in enumerate(optimizer.variables) if v is variable)
     return optimizer_variables[index]
 
 

@@ -3,7 +3,8 @@
 `prepare` unscales the gradients (when they are scaled) and decides whether
 the step is applied: all gradients finite, and a finite learning rate (a
 NaN learning rate would write NaN into every weight). `apply_eagerly` runs a
-whole step where values are concrete (torch, TensorFlow eagerly).
+whole step where values are concrete (torch, TensorFlow eagerly); on a
+skipped one it also writes back the state `keep_on_skip` kept.
 TensorFlow's graphs and `tf.distribute` are `kmp.core.tf_steps`; JAX's pure
 step is `kmp.core.stateless`; under `torch.distributed` the flags are agreed
 across processes by `kmp.core.torch_distributed`.
@@ -83,5 +84,15 @@ def apply_eagerly(optimizer, grads, variables, scaled):
     )
     if bool(ops.convert_to_numpy(apply_ok)):
         optimizer.inner_optimizer.apply(grads, variables)
+    else:
+        restore_kept_state(optimizer)
     optimizer.update_state(finite, apply_ok, per_gradient, variables)
     optimizer.report_persistent_skips_now()
+
+
+def restore_kept_state(optimizer) -> None:
+    """On a skipped step taken eagerly: writes back what the open
+    `keep_on_skip` blocks read (see `kmp.core.kept_state`)."""
+    restore = optimizer._kept_states.current()
+    if restore is not None:
+        restore()

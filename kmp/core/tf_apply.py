@@ -135,19 +135,24 @@ def _read_now(variable) -> tf.Tensor:
     )
 
 
-def snapshot(variables):
+def snapshot(variables, stacked=True):
     """Reads `variables` now; returns a function that writes those values back.
 
-    The function returns its write ops. Variables of one shape and dtype are
-    read into one stacked tensor: a few tensors to keep instead of one per
-    variable, and once they are stacked the variables' buffers are free to
-    be updated in place (a pending read would make TensorFlow copy a buffer
-    before writing it). A value read is never changed by a later write, so
-    the old values come back bit for bit.
+    The function returns its write ops. With `stacked`, variables of one
+    shape and dtype are read into one stacked tensor: a few tensors to keep
+    instead of one per variable, and once they are stacked the variables'
+    buffers are free to be updated in place (a pending read would make
+    TensorFlow copy a buffer before writing it). Without, every variable is
+    read on its own, which copies nothing: for variables that are mostly
+    not written. A value read is never changed by a later write, so the old
+    values come back bit for bit. In a `tf.distribute` replica context each
+    replica reads and writes its own copy.
     """
     groups = {}
     for variable in variables:
         key = (tuple(variable.shape), variable._value.dtype)
+        if not stacked:
+            key = id(variable)
         groups.setdefault(key, []).append(variable)
     saved = []
     for group in groups.values():

@@ -36,9 +36,14 @@ def apply(
             finite, apply_ok, per_gradient
         )
     inner = optimizer.inner_optimizer
+    # What keep_on_skip blocks read before the forward pass, written back
+    # on a skipped step (None: no block is open).
+    kept = optimizer._kept_states.current()
     if tf.executing_eagerly() and not distributed:
         if bool(apply_ok):
             inner.apply(grads, variables)
+        else:
+            steps.restore_kept_state(optimizer)
         optimizer.update_state(finite, apply_ok, per_gradient, variables)
         optimizer.report_persistent_skips_now()
         return
@@ -49,7 +54,15 @@ def apply(
         # apply does) must run in cross-replica context.
         tf.distribute.get_replica_context().merge_call(
             _cross_replica_step,
-            args=(optimizer, grads, variables, finite, apply_ok, per_gradient),
+            args=(
+                optimizer,
+                grads,
+                variables,
+                finite,
+                apply_ok,
+                per_gradient,
+                kept,
+            ),
         )
         return
     if distributed:
@@ -58,14 +71,19 @@ def apply(
             lambda: _inner_apply(inner, grads, variables, True),
             lambda: None,
         )
-        _after_step(optimizer, finite, apply_ok, per_gradient, variables)
+        _after_step(optimizer, finite, apply_ok, per_gradient, variables, kept)
         return
     restorable = tf_apply.restorable_types(extra=(FusedAdam,))
     if tf_apply.can_apply_then_restore(inner, grads, variables, restorable):
         restore = tf_apply.snapshot([*variables, *inner.variables])
         inner.apply(grads, variables)
         _after_step(
-            optimizer, finite, apply_ok, per_gradient, variables, restore
+            optimizer,
+            finite,
+            apply_ok,
+            per_gradient,
+            variables,
+            _both(restore, kept),
         )
         return
     tf.cond(
@@ -73,7 +91,13 @@ def apply(
         lambda: _inner_apply(inner, grads, variables, False),
         lambda: None,
     )
-    _after_step(optimizer, finite, apply_ok, per_gradient, variables)
+    _after_step(optimizer, finite, apply_ok, per_gradient, variables, kept)
+
+
+def _both(restore, kept):
+    if kept is None:
+        return restore
+    return lambda: restore() + kept()
 
 
 def _inner_apply(inner, grads, variables, already_summed):
@@ -85,7 +109,14 @@ def _inner_apply(inner, grads, variables, already_summed):
 
 
 def _cross_replica_step(
-    distribution, optimizer, grads, variables, finite, apply_ok, per_gradient
+    distribution,
+    optimizer,
+    grads,
+    variables,
+    finite,
+    apply_ok,
+    per_gradient,
+    kept,
 ):
     # Every replica decided on the same summed gradients; AND them anyway.
     local = distribution.experimental_local_results
@@ -101,7 +132,34 @@ def _cross_replica_step(
         )
 
     tf.cond(apply_ok, apply_on_every_replica, lambda: None)
-    _after_step(optimizer, finite, apply_ok, per_gradient, variables)
+    restored = []
+    if kept is not None:
+        # Each replica writes back its own copies, with what it read; in a
+        # cond lowered into the graph, as the update's, since the branch
+        # writes on every replica's device. Before the persistent-skips
+        # report, which may raise.
+        restored = [
+            tf.cond(
+                apply_ok,
+                lambda: tf.constant(False),
+                lambda: _restore_on_every_replica(distribution, kept),
+            )
+        ]
+    with tf.control_dependencies(restored):
+        _after_step(optimizer, finite, apply_ok, per_gradient, variables)
+
+
+def _restore_on_every_replica(distribution, kept):
+    done = distribution.extended.call_for_each_replica(
+        _restore_here, args=(kept,)
+    )
+    with tf.control_dependencies(distribution.experimental_local_results(done)):
+        return tf.constant(True)
+
+
+def _restore_here(kept):
+    with tf.control_dependencies(kept()):
+        return tf.constant(True)
 
 
 def _after_step(
@@ -109,9 +167,10 @@ def _after_step(
 ):
     """Updates the state; undoes an applied update on a skipped step.
 
-    What only a skipped step needs (`restore`, and the persistent-skips
-    report) runs in one `If` kept as a single function call: a step that is
-    not skipped pays one op for it.
+    What only a skipped step needs (`restore`: what was written before the
+    check, the update or the state `keep_on_skip` kept; and the
+    persistent-skips report) runs in one `If` kept as a single function
+    call: a step that is not skipped pays one op for it.
     """
     in_a_row = optimizer.update_state(finite, apply_ok, per_gradient, variables)
     limit = optimizer._max_consecutive_skips

@@ -20,6 +20,17 @@ guarantees: a scale never below 1 nor inf, skipped steps that leave
 
 A `LossScaleOptimizer` the user passes (Keras's or kmp's) is kept as it is.
 
+With a kmp optimizer, a step `fit` skips also leaves the model's
+non-trainable variables (`model.non_trainable_variables`: BatchNormalization's
+moving statistics, seed-generator states, anything a layer assigns in its
+training call) as they were before the step, bit for bit: Keras's
+`train_step` runs inside `optimizer.keep_on_skip(...)` on TensorFlow and
+torch, and on JAX its non-trainable values go through
+`optimizer.stateless_keep_on_skip(...)`. Metrics are not restored: they
+record the step's loss, inf or NaN, as Keras's own loss-scale optimizer
+does, so the logs show the overflow. A model whose `train_step` is its own
+(not calling Keras's) does this with the same two calls.
+
 Where a kmp optimizer's step cannot report persistent skips from inside
 itself (`jit_compile=True` on TensorFlow: XLA runs no Python; every JAX
 step), `fit`'s train function calls `optimizer.check_persistent_skips()`
@@ -139,6 +150,36 @@ def make_train_function(original, self, force=False):
     return returned
 
 
+def train_step(original, self, data):
+    """Keras's `train_step` (TensorFlow, torch); under a kmp optimizer a
+    skipped step leaves the model's non-trainable variables as they were
+    (see the module docstring)."""
+    optimizer = getattr(self, "optimizer", None)
+    if not isinstance(optimizer, optimizer_module.LossScaleOptimizer):
+        return original(self, data)
+    variables = self.non_trainable_variables
+    if not variables:
+        return original(self, data)
+    with optimizer.keep_on_skip(variables):
+        return original(self, data)
+
+
+def stateless_train_step(original, self, state, data):
+    """Keras's JAX `train_step`, a pure function of the state; under a kmp
+    optimizer the non-trainable values it returns after a skipped step are
+    those it was given."""
+    logs, new_state = original(self, state, data)
+    optimizer = getattr(self, "optimizer", None)
+    kmp_optimizer = isinstance(optimizer, optimizer_module.LossScaleOptimizer)
+    if not kmp_optimizer or not state[1]:
+        return logs, new_state
+    trainable, non_trainable, optimizer_values, metrics = new_state
+    non_trainable = optimizer.stateless_keep_on_skip(
+        optimizer_values, state[1], non_trainable
+    )
+    return logs, (trainable, non_trainable, optimizer_values, metrics)
+
+
 def _write_back(model, state):
     """Hands a JAX train step's state to Keras, which assigns it to the
     variables when `fit` ends, also by an exception (as a callback that
@@ -154,17 +195,27 @@ def _write_back(model, state):
     model._jax_state_synced = False
 
 
+def _backend_trainer():
+    """Keras's trainer class of the backend it runs on."""
+    module = importlib.import_module(
+        f"keras.src.backend.{backend.name()}.trainer"
+    )
+    names = {
+        "tensorflow": "TensorFlowTrainer",
+        "jax": "JAXTrainer",
+        "torch": "TorchTrainer",
+    }
+    return getattr(module, names[backend.name()])
+
+
 def _trainer_targets():
-    targets = [registry.Target(_keras_trainer.Trainer, "compile", compile)]
+    trainer = _backend_trainer()
+    step = stateless_train_step if backend.is_jax() else train_step
+    targets = [
+        registry.Target(_keras_trainer.Trainer, "compile", compile),
+        registry.Target(trainer, "train_step", step),
+    ]
     if backend.is_tensorflow() or backend.is_jax():
-        module = importlib.import_module(
-            f"keras.src.backend.{backend.name()}.trainer"
-        )
-        trainer = (
-            module.TensorFlowTrainer
-            if backend.is_tensorflow()
-            else module.JAXTrainer
-        )
         targets.append(
             registry.Target(trainer, "make_train_function", make_train_function)
         )
@@ -174,7 +225,18 @@ def _trainer_targets():
 def _works() -> bool:
     current = _keras_trainer.Trainer.__dict__["compile"]
     parameters = inspect.signature(registry.keras_original(current)).parameters
-    return "optimizer" in parameters and "auto_scale_loss" in parameters
+    step = _backend_trainer().__dict__["train_step"]
+    step_parameters = list(
+        inspect.signature(registry.keras_original(step)).parameters
+    )
+    expected = ["self", "data"]
+    if backend.is_jax():
+        expected = ["self", "state", "data"]
+    return (
+        "optimizer" in parameters
+        and "auto_scale_loss" in parameters
+        and step_parameters == expected
+    )
 
 
 PATCH = registry.Patch(
@@ -183,8 +245,10 @@ PATCH = registry.Patch(
     summary=(
         "model.compile's automatic loss scaling (mixed_float16) wraps the "
         "optimizer in kmp.LossScaleOptimizer, saved in Keras's file layout, "
-        "and adds none to a model without float16 layers; under XLA fit "
-        "checks kmp's persistent skips after every step"
+        "and adds none to a model without float16 layers; with kmp's "
+        "optimizer a step fit skips leaves the model's non-trainable "
+        "variables as they were; under XLA fit checks kmp's persistent "
+        "skips after every step"
     ),
     targets=_trainer_targets,
     check=_works,

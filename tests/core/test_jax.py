@@ -25,6 +25,7 @@ import pytest
 import kmp
 from kmp.core.optimizer import PersistentSkipsWarning
 from tests.support import backends
+from tests.support import overflow
 from tests.support import reliability as rel
 from tests.support import training
 from tests.support.training import BATCH_SIZE
@@ -194,6 +195,68 @@ def test_jitted_step_sees_the_current_scale_and_skips_exactly():
     assert len(step.traces) == 1  # One trace: the scale is state, not code.
     _assign(model, optimizer, state)
     assert training.optimizer_state(optimizer) == (4.0, 1, 2, 5)
+
+
+@pytest.mark.parametrize(
+    "call, fragment",
+    [
+        (
+            lambda opt, loss, grads: opt.get_scaled_loss(loss),
+            "optimizer.stateless_scale_loss(optimizer_variables, loss)",
+        ),
+        (
+            lambda opt, loss, grads: opt.scale_loss(loss),
+            "optimizer.stateless_scale_loss(optimizer_variables, loss)",
+        ),
+        (
+            lambda opt, loss, grads: opt.get_unscaled_gradients(grads),
+            "optimizer.stateless_unscale_gradients(optimizer_variables, grads)",
+        ),
+    ],
+    ids=["get_scaled_loss", "scale_loss", "get_unscaled_gradients"],
+)
+def test_stateful_scaling_inside_jax_jit_names_the_stateless_call(
+    call, fragment
+):
+    # Inside jax.jit the scale variable's value would be a constant of the
+    # compiled step: after one backoff, scaling and unscaling disagree.
+    optimizer = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=8
+    )
+
+    @jax.jit
+    def step(loss, grad):
+        return call(optimizer, loss, [grad])
+
+    with pytest.raises(RuntimeError, match=re.escape(fragment)):
+        step(backends.tensor(1.0), backends.tensor([1.0]))
+    assert optimizer._recipes.recipe is None  # Nothing recorded.
+
+
+def test_stateful_scaling_works_where_the_scale_is_traced_or_concrete():
+    # Inside jax.jit with the optimizer's variables mapped (as Keras's JAX
+    # trainer calls scale_loss), and under jax.grad without jit (the
+    # variable's current value), the stateful calls are right.
+    from keras.src.backend.common.stateless_scope import StatelessScope
+
+    optimizer = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=8
+    )
+
+    @jax.jit
+    def scaled(optimizer_values, loss):
+        mapping = list(zip(optimizer.variables, optimizer_values))
+        with StatelessScope(state_mapping=mapping):
+            return optimizer.get_scaled_loss(loss)
+
+    values = [v.value for v in optimizer.variables]
+    values[optimizer.variables.index(optimizer.dynamic_scale)] = 2.0
+    assert float(scaled(values, 1.5)) == 3.0
+    gradient = jax.grad(lambda x: optimizer.get_scaled_loss(x * x))(1.5)
+    assert float(gradient) == 24.0
+    assert [float(g) for g in optimizer.get_unscaled_gradients([gradient])] == [
+        3.0
+    ]
 
 
 # --- Persistent skips ---------------------------------------------------------
@@ -373,6 +436,24 @@ def test_data_parallel_skips_on_every_device_together():
     )
     assert changed == []
     assert training.optimizer_state(optimizer) == (4.0, 1, 1, 2)
+
+
+def test_data_parallel_fit_skipped_step_keeps_the_batch_statistics():
+    devices = jax.devices("cpu")
+    if len(devices) < 2:
+        pytest.skip(
+            "needs 2 CPU devices: XLA_FLAGS="
+            "--xla_force_host_platform_device_count=2 (tests/conftest.py)"
+        )
+    distribution = keras.distribution.DataParallel(devices=devices[:2])
+    with distribution.scope():
+        run = overflow.fit(overflow.X_OVERFLOW, overflow.Y)
+    kmp.patches.uninstall("compile")
+    rows = overflow.WITHOUT_OVERFLOW
+    with distribution.scope():
+        reference = overflow.fit(overflow.X[rows], overflow.Y[rows])
+    assert all(len(copies) == 2 for copies in run[0].non_trainable[0])
+    overflow.assert_kept_and_matches_keras(run, reference)
 
 
 # --- Saving -------------------------------------------------------------------

@@ -7,6 +7,8 @@ means it gets gradients unscaled by `get_unscaled_gradients`, possibly
 transformed. Either way the result is the float32 reference, bit for bit.
 """
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -163,3 +165,29 @@ def test_transformed_gradients_after_both_calls_are_refused(mode):
     with pytest.raises(ValueError, match="Cannot tell whether the gradients"):
         training.loop_weights(optimizer, mode, "keras", clip)
     assert training.optimizer_state(optimizer) == (8.0, 0, 0, 0)
+
+
+@pytest.mark.jax
+@pytest.mark.torch
+def test_transformed_gradients_to_stateless_apply_name_scaled_false():
+    # The JAX loop: stateless_scale_loss, stateless_unscale_gradients, a
+    # transform; stateless_apply must be told the gradients are unscaled.
+    optimizer = LossScaleOptimizer(OPTIMIZERS["sgd"](), initial_scale=8)
+    weight = keras.Variable([1.0])
+    optimizer.build([weight])
+    values = [v.value for v in optimizer.variables]
+    optimizer.stateless_scale_loss(values, backends.tensor(1.0))
+    grads = optimizer.stateless_unscale_gradients(
+        values, [backends.tensor([8.0])]
+    )
+    clipped = [g * 0.5 for g in grads]
+    call = (
+        "optimizer.stateless_apply(optimizer_variables, grads, "
+        "trainable_variables, scaled=False)"
+    )
+    with pytest.raises(ValueError, match=re.escape(call)):
+        optimizer.stateless_apply(values, clipped, [weight.value])
+    new_weights, _ = optimizer.stateless_apply(
+        values, clipped, [weight.value], scaled=False
+    )
+    assert keras.ops.convert_to_numpy(new_weights[0])[0] == np.float32(0.95)

@@ -13,6 +13,7 @@ import pytest
 import kmp
 from kmp import LossScaleOptimizer
 from tests.support import backends
+from tests.support import overflow
 from tests.support import training
 from tests.support.training import BATCH_SIZE
 from tests.support.training import X_FINITE
@@ -101,6 +102,57 @@ def test_fit_scales_the_loss_so_float16_gradients_survive(
         keras.optimizers.SGD(1.0), auto_scale_loss=False
     )
     np.testing.assert_array_equal(plain, np.zeros(4, "float32"))
+
+
+@pytest.mark.parametrize("mode", backends.MODES)
+def test_fit_skipped_step_leaves_non_trainable_variables_bit_for_bit(mode):
+    # A float16 input overflows: BatchNormalization writes inf/NaN moving
+    # statistics before the step is skipped; after it they are as before
+    # the step, and the other steps are as Keras's train_step alone gives
+    # them on the batches without that one.
+    kwargs = training.compile_kwargs(mode)
+    run = overflow.fit(overflow.X_OVERFLOW, overflow.Y, **kwargs)
+    kmp.patches.uninstall("compile")
+    rows = overflow.WITHOUT_OVERFLOW
+    reference = overflow.fit(overflow.X[rows], overflow.Y[rows], **kwargs)
+    overflow.assert_kept_and_matches_keras(run, reference)
+    # The model still predicts.
+    assert np.isfinite(run[1].predict(overflow.X, verbose=0)).all()
+
+
+@pytest.mark.parametrize(
+    "mode",
+    # JAX run eagerly raises inside Keras's pure train step, whose whole
+    # result is dropped: as if the step never ran.
+    [m for m in backends.MODES if not (backends.JAX and m == "eager")],
+)
+def test_fit_stopped_by_persistent_skips_leaves_the_statistics_restored(mode):
+    # "raise" stops fit at the skipped step; what the step wrote is
+    # already back (TensorFlow raises from inside its graph).
+    with pytest.raises(Exception, match="skipped the last 1 steps") as caught:
+        overflow.fit(
+            overflow.X_OVERFLOW,
+            overflow.Y,
+            {"max_consecutive_skips": 1, "on_persistent_skips": "raise"},
+            **training.compile_kwargs(mode),
+        )
+    trained, record = caught.value.model, caught.value.record
+    assert int(trained.optimizer.skipped_steps) == 1
+    now = [overflow.copies(v) for v in trained.non_trainable_variables]
+    assert now == record.non_trainable[overflow.OVERFLOW_BATCH]
+
+
+def test_fit_skipped_step_still_records_the_loss_in_the_metrics():
+    # Metrics are not restored: the epoch's loss shows the overflow.
+    record, trained = overflow.fit(overflow.X_OVERFLOW, overflow.Y)
+    assert int(trained.optimizer.skipped_steps) == 1
+    logs = trained.evaluate(overflow.X, overflow.Y, verbose=0)
+    assert np.isfinite(logs)
+    history = trained.fit(
+        overflow.X_OVERFLOW, overflow.Y, batch_size=BATCH_SIZE,
+        shuffle=False, verbose=0,
+    )  # fmt: skip
+    assert not np.isfinite(history.history["loss"][0])
 
 
 def test_compile_does_not_wrap_with_auto_scale_loss_false():

@@ -1,0 +1,283 @@
+"""Model state a skipped step puts back: `LossScaleOptimizer.keep_on_skip`
+and `LossScaleOptimizer.stateless_keep_on_skip`.
+
+A skipped step leaves the variables it would update, the inner optimizer's
+slots and `iterations` as they were. But the forward pass of the same step
+already wrote other state: BatchNormalization's moving mean and variance, a
+dropout layer's seed-generator state, any variable a layer assigns in its
+training call. When a float16 layer overflows, the moving statistics
+become inf/NaN and the model predicts NaN from then on, while training
+itself goes on. Both forms here put such state back on a skipped step:
+
+* `KeptStates.keep(variables)` (`keep_on_skip`), for stateful steps
+  (TensorFlow, torch, JAX outside `jax.jit`): entering reads the variables;
+  a step of the optimizer inside the block that is skipped writes those
+  values back, as part of the step, in the branch that skips it (before a
+  persistent-skips "raise"). Nothing is checked again and nothing waits
+  for the device: TensorFlow reads each variable once per step (a
+  reference, no copy) and, in a graph, writes inside the conditional the
+  step already has for a skip (under a merge-call `tf.distribute` strategy,
+  in one of its own); JAX keeps references (its arrays never change);
+  torch copies the variables, which it writes in place.
+* `select(...)` (`stateless_keep_on_skip`), for JAX's stateless steps: of
+  the values before and after the step, those before if the step that
+  returned `optimizer_variables` was skipped; one cond over the values the
+  step wrote (the others are passed through).
+
+`fit` uses them by itself (the `compile` patch), on
+`model.non_trainable_variables`.
+"""
+
+import contextlib
+import threading
+
+import keras
+from keras import ops
+
+from kmp.core import backend
+from kmp.core import checks
+from kmp.core import jax_tracing
+from kmp.core import stateless
+
+if backend.is_tensorflow():
+    from kmp.core import tf_apply
+
+
+class _Snapshot:
+    """The values of some variables at one point of a step, and how to
+    write them back."""
+
+    def __init__(self, variables):
+        self._variables = variables
+        if backend.is_tensorflow():
+            self._write_back = tf_apply.snapshot(variables, stacked=False)
+            return
+        self._write_back = None
+        if backend.is_torch():
+            # Keras's torch variables are assigned in place.
+            self._values = [v.value.detach().clone() for v in variables]
+        else:
+            self._values = [v.value for v in variables]
+
+    def restore(self) -> list:
+        """Writes the values back; returns TensorFlow's write ops."""
+        if self._write_back is not None:
+            return self._write_back()
+        for variable, value in zip(self._variables, self._values):
+            variable.assign(value)
+        return []
+
+
+class Restore:
+    """Writes back what the `keep_on_skip` blocks open in one thread read.
+
+    Called as a function (in that thread or, under `tf.distribute`, for
+    its replica); returns TensorFlow's write ops.
+    """
+
+    def __init__(self, snapshots):
+        self._snapshots = tuple(snapshots)
+
+    def __call__(self) -> list:
+        writes = []
+        for snapshot in self._snapshots:  # Oldest first: the newest wins.
+            writes += snapshot.restore()
+        return writes
+
+
+class KeptStates:
+    """The `keep_on_skip` blocks open on one optimizer, per thread (every
+    `tf.distribute` replica runs in its own)."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def _open(self) -> list:
+        open_blocks = getattr(self._local, "open", None)
+        if open_blocks is None:
+            open_blocks = self._local.open = []
+        return open_blocks
+
+    def current(self):
+        """A `Restore` for the blocks open in this thread, or None."""
+        open_blocks = getattr(self._local, "open", None)
+        return Restore(open_blocks) if open_blocks else None
+
+    @contextlib.contextmanager
+    def keep(self, variables):
+        snapshot = _Snapshot(variables)
+        self._open().append(snapshot)
+        try:
+            yield
+        finally:
+            self._local.open = [s for s in self._open() if s is not snapshot]
+
+
+def checked_variables(variables, name: str) -> list:
+    """`variables` as a list of Keras variables.
+
+    Raises:
+        TypeError: `variables` is not an iterable of Keras variables.
+    """
+    if isinstance(variables, (str, bytes, keras.Variable)) or not hasattr(
+        variables, "__iter__"
+    ):
+        raise TypeError(
+            f"'{name}' must be a list of Keras variables, such as "
+            f"model.non_trainable_variables. Received: {name}="
+            f"{checks.describe(variables)}"
+        )
+    variables = list(variables)
+    for index, variable in enumerate(variables):
+        if not isinstance(variable, keras.Variable):
+            raise TypeError(
+                f"'{name}' must be a list of Keras variables, such as "
+                "model.non_trainable_variables. Received at position "
+                f"{index}: {checks.describe(variable)}"
+            )
+    return variables
+
+
+def was_skipped(optimizer, optimizer_variables):
+    """A bool scalar: whether the step that returned `optimizer_variables`
+    (values of `optimizer.variables`) was skipped."""
+    in_a_row = stateless.value_of(
+        optimizer, optimizer_variables, optimizer.consecutive_skips_variable
+    )
+    return ops.not_equal(in_a_row, 0)
+
+
+def select(optimizer, optimizer_variables, values_before, values_after):
+    """See `LossScaleOptimizer.stateless_keep_on_skip`."""
+    try:
+        keras.tree.assert_same_structure(values_before, values_after)
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            "'values_before' and 'values_after' must have the same "
+            "structure (the state passed into the step, and the state it "
+            f"returned). {error}"
+        ) from None
+    skipped = was_skipped(optimizer, optimizer_variables)
+    flat_before = keras.tree.flatten(values_before)
+    flat_after = keras.tree.flatten(values_after)
+    # Values the step did not write (the same object) need no choice.
+    written = [
+        i
+        for i, (before, after) in enumerate(zip(flat_before, flat_after))
+        if after is not before
+    ]
+    if not written:
+        return values_after
+    # A cond, not a select: XLA would fuse a select into the computation of
+    # the new values and could round them otherwise (contracting a multiply
+    # and an add); as operands of a cond they are computed as without it.
+    chosen = ops.cond(
+        skipped,
+        lambda: [flat_before[i] for i in written],
+        lambda: [flat_after[i] for i in written],
+    )
+    flat = list(flat_after)
+    for i, value in zip(written, chosen):
+        flat[i] = value
+    return keras.tree.pack_sequence_as(values_after, flat)
+
+
+class KeepOnSkipMixin:
+    """`LossScaleOptimizer`'s two calls for state outside it (see the
+    module docstring)."""
+
+    def keep_on_skip(self, variables):
+        """A context manager: a skipped step inside it restores `variables`.
+
+        Entering it reads `variables`; a step of this optimizer inside it
+        that is skipped writes those values back, as part of the step. Wrap
+        the whole step, the forward pass included, for the model's
+        non-trainable variables (BatchNormalization's moving statistics,
+        which the forward pass writes). `fit` does it by itself.
+
+            with optimizer.keep_on_skip(model.non_trainable_variables):
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(y, model(x, training=True))
+                    scaled_loss = optimizer.get_scaled_loss(loss)
+                ...
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+        Works eagerly, in a `tf.function` (also with `jit_compile=True`),
+        inside `strategy.run` (each replica writes back its own copies),
+        on torch, and on JAX outside `jax.jit` (inside, use
+        `stateless_keep_on_skip`). Nothing is written back if no step of
+        this optimizer ran in the block, or if it was applied. Entering
+        reads the variables: a reference on TensorFlow and JAX, a copy on
+        torch (whose variables change in place). The values come back
+        before a persistent-skips "raise" stops the step.
+
+        Args:
+            variables: Keras variables, such as
+                `model.non_trainable_variables`.
+
+        Raises:
+            TypeError: `variables` is not a list of Keras variables.
+            RuntimeError: on JAX, inside a function `jax.jit` traces.
+
+        >>> import kmp
+        >>> opt = kmp.LossScaleOptimizer(keras.optimizers.SGD())
+        >>> w, count = keras.Variable([1.0]), keras.Variable(0.0)
+        >>> with opt.keep_on_skip([count]):
+        ...     _ = count.assign(count + 1.0)  # As a forward pass writes.
+        ...     _ = opt.apply_gradients([(keras.ops.array([float("nan")]), w)])
+        >>> float(keras.ops.convert_to_numpy(count)), int(opt.skipped_steps)
+        (0.0, 1)
+        """
+        variables = checked_variables(variables, "variables")
+        if backend.is_jax():
+            jax_tracing.check_not_traced(
+                "keep_on_skip()",
+                "optimizer.stateless_keep_on_skip(optimizer_variables, "
+                "values_before, values_after) after stateless_apply",
+            )
+        return self._kept_states.keep(variables)
+
+    def stateless_keep_on_skip(
+        self, optimizer_variables, values_before, values_after
+    ):
+        """`keep_on_skip` for stateless steps: the values to keep.
+
+        For JAX loops over `stateless_apply`: `values_after` (the
+        non-trainable values `stateless_call` returned) if the step that
+        returned `optimizer_variables` was applied, `values_before` (those
+        the step was given) if it was skipped. Pure: jit it with the step.
+
+            y_pred, non_trainable_after = model.stateless_call(
+                trainable, non_trainable, x, training=True)
+            ...
+            trainable, optimizer_values = optimizer.stateless_apply(
+                optimizer_values, grads, trainable, scaled=False)
+            non_trainable = optimizer.stateless_keep_on_skip(
+                optimizer_values, non_trainable, non_trainable_after)
+
+        Args:
+            optimizer_variables: The optimizer values `stateless_apply`
+                returned.
+            values_before: Values (a list, or any nested structure) before
+                the step.
+            values_after: The same values after it, in the same structure.
+
+        Returns:
+            Values in that structure; each the value before if the step was
+            skipped, else the value after.
+
+        Raises:
+            ValueError: `optimizer_variables` does not hold one value per
+                optimizer variable, or the two structures differ.
+
+        >>> import kmp
+        >>> opt = kmp.LossScaleOptimizer(keras.optimizers.SGD())
+        >>> w = keras.Variable([1.0])
+        >>> _ = opt.apply_gradients([(keras.ops.array([float("nan")]), w)])
+        >>> values = [v.value for v in opt.variables]  # After a skipped step.
+        >>> kept = opt.stateless_keep_on_skip(
+        ...     values, [keras.ops.array([1.0])], [keras.ops.array([9.0])])
+        >>> [float(keras.ops.convert_to_numpy(v)[0]) for v in kept]
+        [1.0]
+        """
+        return select(self, optimizer_variables, values_before, values_after)
