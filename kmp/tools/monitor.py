@@ -43,6 +43,7 @@ import keras
 
 from kmp.core import backend
 from kmp.core.optimizer import LossScaleOptimizer
+from kmp.core.optimizer_state import read_value
 
 logger = logging.getLogger("kmp")
 
@@ -139,6 +140,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
             `"batch"` or a positive integer, or is set without `log_dir`.
         ImportError: `log_dir` is set and the `tensorboard` package is not
             installed.
+        OSError: at the start of `fit`, before the first step: the
+            directory of `csv_path` does not exist (FileNotFoundError) or
+            the file cannot be written, or `log_dir/train` cannot be
+            created.
 
     Example:
 
@@ -229,8 +234,13 @@ class LossScaleMonitor(keras.callbacks.Callback):
             getattr(model, "run_eagerly", False)
         )
         self._skip_limit = limit if compiled and limit is not None else None
+        # Before the first step, as Keras's CSVLogger opens its file.
+        if self.csv_path is not None:
+            _check_writable_file(self.csv_path, "csv_path")
         if self.log_dir is not None:
-            self._writer = _ScalarWriter(os.path.join(self.log_dir, "train"))
+            run = os.path.join(self.log_dir, "train")
+            _make_directory(run, self.log_dir)
+            self._writer = _ScalarWriter(run)
 
     def on_train_batch_end(self, batch, logs=None):
         if self._optimizer is None:
@@ -280,7 +290,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
         """(skipped steps, applied steps) so far; one read per variable."""
         optimizer = self._optimizer
         skipped = int(optimizer.skipped_steps)
-        applied = int(optimizer.inner_optimizer.iterations)
+        # read_value: under tf.distribute, iterations is a MirroredVariable,
+        # which int() does not take.
+        applied = int(read_value(optimizer.inner_optimizer.iterations))
         return skipped, applied
 
     def _write_batch_scalars(self):
@@ -415,6 +427,44 @@ def _checked_path(value, argument: str) -> Optional[str]:
             f"{argument}={value!r}"
         )
     return path
+
+
+def _check_writable_file(path: str, argument: str) -> None:
+    """Raises an OSError naming `path` unless a row can be appended to it.
+
+    Opening the file for appending creates it (empty) if it is new, as
+    Keras's CSVLogger does at the start of `fit`.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"LossScaleMonitor cannot write {argument}={path!r}: the "
+            f"directory {directory!r} does not exist. Create it before fit "
+            "(os.makedirs), or pass a path in an existing directory."
+        )
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as error:
+        raise type(error)(
+            f"LossScaleMonitor cannot write {argument}={path!r}: "
+            f"{error.strerror or error}."
+        ) from error
+
+
+def _make_directory(directory: str, log_dir: str) -> None:
+    """Creates the TensorBoard run directory, or raises an OSError naming
+    it. Remote paths (`gs://...`) are left to the writer."""
+    if "://" in log_dir:
+        return
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as error:
+        raise type(error)(
+            f"LossScaleMonitor cannot create its TensorBoard directory "
+            f"{directory!r} (log_dir={log_dir!r}): "
+            f"{error.strerror or error}."
+        ) from error
 
 
 def _checked_update_freq(update_freq, log_dir) -> Union[str, int]:
