@@ -608,13 +608,18 @@ def test_persistent_skips_raise_under_xla_at_the_batch_reaching_the_limit():
     assert int(optimizer.iterations) == 1
 
 
-@tensorflow_only
+# Not on JAX: there an eager (jit_compile=False) step that raises loses its
+# state update (skipped_steps reads 2, not 3), which is the core's to fix.
+@pytest.mark.tensorflow
+@pytest.mark.torch
 def test_persistent_skips_raise_without_xla_from_the_optimizer():
-    tf = pytest.importorskip("tensorflow")
     model = _skipping_model(jit_compile=False, mode="raise")
     batches = _Batches()
-    # Inside the step TensorFlow wraps the FloatingPointError.
-    with pytest.raises(tf.errors.UnknownError, match="the last 3 steps"):
+    error = FloatingPointError
+    if BACKEND == "tensorflow":
+        # Inside the step TensorFlow wraps the FloatingPointError.
+        error = pytest.importorskip("tensorflow").errors.UnknownError
+    with pytest.raises(error, match="the last 3 steps"):
         _fit(
             model,
             _data(bad_steps=[1, 2, 3, 4, 5], steps=8),
