@@ -1,10 +1,11 @@
 """Which of kmp's own modules pytest collects (for their doctests).
 
-`setup.cfg` runs the docstring examples of `kmp/` and `kmp_cli/` too. The
-modules below need Keras's TensorFlow backend (the `torch_*.py` ones its
-torch backend): they fail at import on another one, so there they are not
-collected. Everything else in `kmp/` must import, and its examples pass, on
-every backend. (The test set-up proper is `tests/conftest.py`.)
+`setup.cfg` runs the docstring examples of `kmp/` and `kmp_cli/` too. A
+module written for one backend (named after it, `tf_*.py`, `jax_*.py`,
+`torch_*.py`, and those listed below) imports only there, so on the others
+it is not collected. Everything else in `kmp/` must import, and its
+examples pass, on every backend. (The test set-up proper is
+`tests/conftest.py`.)
 """
 
 import fnmatch
@@ -16,32 +17,31 @@ import keras  # noqa: E402
 
 # Paths relative to this directory; shell patterns.
 TENSORFLOW_ONLY_MODULES = (
-    "kmp/core/tf_*.py",
+    "kmp/*/tf_*.py",
     "kmp/core/fused.py",
     "kmp/core/low_precision.py",
     "kmp/core/rounding.py",
     "kmp/patches/dense.py",
     "kmp/patches/mean.py",
-    "kmp/testing.py",
-    "kmp/tools/audit.py",
-    "kmp/tools/audit_data.py",
     "kmp/tools/bench.py",
-    "kmp/tools/testing.py",
 )
-TORCH_ONLY_MODULES = ("kmp/core/torch_*.py",)
+BACKEND_MODULES = {
+    "tensorflow": TENSORFLOW_ONLY_MODULES,
+    "jax": ("kmp/*/jax_*.py",),
+    "torch": ("kmp/*/torch_*.py",),
+}
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def pytest_ignore_collect(collection_path, config):
-    """True (do not collect) for a module of another backend than Keras's."""
+    """True (do not collect) for another backend's module."""
     backend = keras.backend.backend()
     relative = os.path.relpath(str(collection_path), _HERE)
     relative = relative.replace(os.sep, "/")
-    other_backends = {
-        "tensorflow": TORCH_ONLY_MODULES,
-        "torch": TENSORFLOW_ONLY_MODULES,
-    }.get(backend, TENSORFLOW_ONLY_MODULES + TORCH_ONLY_MODULES)
-    if any(fnmatch.fnmatch(relative, p) for p in other_backends):
-        return True
+    for name, patterns in BACKEND_MODULES.items():
+        if name != backend and any(
+            fnmatch.fnmatch(relative, p) for p in patterns
+        ):
+            return True
     return None

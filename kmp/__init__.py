@@ -13,14 +13,14 @@ from kmp.core.policy import Policy
 from kmp.core.policy import global_policy
 from kmp.core.policy import policy_scope
 from kmp.core.policy import set_global_policy
+from kmp.tools.audit import AuditReport
+from kmp.tools.audit import audit
 from kmp.tools.convert import convert
 from kmp.tools.summary import summary
 
 if _backend.is_tensorflow():
     from kmp.core.fused import FusedAdam
     from kmp.core.low_precision import LowPrecisionOptimizer
-    from kmp.tools.audit import AuditReport
-    from kmp.tools.audit import audit
 else:
     FusedAdam = _backend.tensorflow_only(
         "kmp.FusedAdam",
@@ -30,8 +30,6 @@ else:
     LowPrecisionOptimizer = _backend.tensorflow_only(
         "kmp.LowPrecisionOptimizer"
     )
-    AuditReport = _backend.tensorflow_only("kmp.AuditReport")
-    audit = _backend.tensorflow_only("kmp.audit")
 
 __version__ = "0.2.0"
 

@@ -1,6 +1,7 @@
 """Test helpers: inject inf/NaN gradients and overflows on chosen steps.
 
-TensorFlow backend only (`kmp.tools.testing`).
+On every backend (`kmp.tools.testing`); a fault on one replica only
+(`replica=`) needs TensorFlow's `tf.distribute`.
 """
 
 from kmp.tools.testing import GradientFaults

@@ -107,9 +107,20 @@ def plot_path(text: str) -> str:
     return writable_path(".png")(text)
 
 
+def figure_path(text: str) -> str:
+    """A writable file name for a matplotlib figure, whose extension names
+    its format (`.png`, `.svg`, `.pdf`), if matplotlib is installed."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise argparse.ArgumentTypeError(
+            "needs matplotlib, which is not installed: pip install matplotlib"
+        )
+    return writable_path()(text)
+
+
 __all__ = [
     "check_names",
     "existing_file",
+    "figure_path",
     "names_among",
     "plot_path",
     "positive_int",

@@ -1,7 +1,8 @@
 """`kmp audit MODEL.keras --data DATA.npz`: per-layer ranges, underflow, error.
 
 Runs `kmp.audit` (`kmp.tools.audit`) on a saved model and a `.npz` file
-holding an array `x` and, for gradients, `y`. TensorFlow backend only.
+holding an array `x` and, for gradients, `y`, on whichever Keras backend
+`KERAS_BACKEND` names (TensorFlow, JAX or torch).
 """
 
 import argparse
@@ -55,7 +56,10 @@ def add_parser(subparsers) -> None:
         help="batches to run",
     )
     parser.add_argument(
-        "--plot", metavar="FILE.png", help="also draw the value ranges"
+        "--plot",
+        type=arguments.figure_path,
+        metavar="FILE.png",
+        help="also draw the value ranges (checked before the audit runs)",
     )
     parser.set_defaults(func=run)
 
@@ -76,15 +80,19 @@ def run(args: argparse.Namespace) -> int:
     from kmp.tools.audit import audit
     from kmp.tools.models import load_model
 
-    report = audit(
-        load_model(args.model),
-        x,
-        y,
-        loss=args.loss,
-        policy=args.policy,
-        batch_size=args.batch_size,
-        steps=args.steps,
-    )
+    model = load_model(args.model)
+    try:
+        report = audit(
+            model,
+            x,
+            y,
+            loss=args.loss,
+            policy=args.policy,
+            batch_size=args.batch_size,
+            steps=args.steps,
+        )
+    except (TypeError, ValueError) as error:  # audit's checks, named.
+        raise SystemExit(f"kmp audit: error: {error}") from error
     print(report.to_text())
     if args.plot:
         report.plot(args.plot)

@@ -82,3 +82,21 @@ def test_callbacks_and_testing_reexport_the_tools():
     assert sorted(testing.__all__) == ["GradientFaults", "OverflowAt"]
     assert testing.GradientFaults is tools_testing.GradientFaults
     assert testing.OverflowAt is tools_testing.OverflowAt
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        (kmp, "AuditReport"),
+        (callbacks, "LossScaleMonitor"),
+        (testing, "GradientFaults"),
+        (testing, "OverflowAt"),
+    ],
+    ids=["AuditReport", "LossScaleMonitor", "GradientFaults", "OverflowAt"],
+)
+def test_tool_classes_are_classes_on_every_backend(module, name):
+    # isinstance(x, kmp.AuditReport) raised TypeError off TensorFlow, where
+    # it was a function that refused to run.
+    cls = getattr(module, name)
+    assert isinstance(cls, type)
+    assert not isinstance(object(), cls)

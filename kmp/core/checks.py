@@ -338,9 +338,11 @@ def _checked_gradient(gradient, variable, index: int):
             f"{where} must be floating point. Received: {describe(values)}"
         )
     if not fits:
+        # tf.IndexedSlices exist on TensorFlow only: named there only.
+        sparse = " (a tf.IndexedSlices: rows of it)" * backend.is_tensorflow()
         raise ValueError(
-            f"{where} must have its variable's shape {shape_text(shape)} (a "
-            f"tf.IndexedSlices: rows of it). Received: {received}"
+            f"{where} must have its variable's shape {shape_text(shape)}"
+            f"{sparse}. Received: {received}"
         )
     return gradient
 

@@ -25,7 +25,9 @@ itself goes on. Both forms here put such state back on a skipped step:
   step wrote (the others are passed through).
 
 `fit` uses them by itself (the `compile` patch), on
-`model.non_trainable_variables`.
+`model.non_trainable_variables` but those marked with `exempt` (a counter
+that must advance on every call, such as `kmp.testing.OverflowAt`'s, which
+would otherwise repeat its fault on every retry).
 """
 
 import contextlib
@@ -41,6 +43,25 @@ from kmp.core import stateless
 
 if backend.is_tensorflow():
     from kmp.core import tf_apply
+
+
+_EXEMPT_ATTRIBUTE = "_kmp_not_kept_on_skip"
+
+
+def exempt(variable):
+    """Marks `variable` as state `fit` does not put back on a skipped step.
+
+    For a variable that counts calls (not a statistic of the data): put
+    back, it would make every retried step repeat the call it counts.
+    Returns `variable`.
+    """
+    setattr(variable, _EXEMPT_ATTRIBUTE, True)
+    return variable
+
+
+def is_exempt(variable) -> bool:
+    """Whether `exempt` marked `variable`."""
+    return bool(getattr(variable, _EXEMPT_ATTRIBUTE, False))
 
 
 class _Snapshot:

@@ -46,6 +46,7 @@ import keras
 from keras.src.trainers import trainer as _keras_trainer
 
 from kmp.core import backend
+from kmp.core import kept_state
 from kmp.core import optimizer as optimizer_module
 from kmp.patches import registry
 
@@ -157,7 +158,9 @@ def train_step(original, self, data):
     optimizer = getattr(self, "optimizer", None)
     if not isinstance(optimizer, optimizer_module.LossScaleOptimizer):
         return original(self, data)
-    variables = self.non_trainable_variables
+    variables = [
+        v for v in self.non_trainable_variables if not kept_state.is_exempt(v)
+    ]
     if not variables:
         return original(self, data)
     with optimizer.keep_on_skip(variables):
@@ -174,8 +177,15 @@ def stateless_train_step(original, self, state, data):
     if not kmp_optimizer or not state[1]:
         return logs, new_state
     trainable, non_trainable, optimizer_values, metrics = new_state
+    # An exempt variable's value after the step is kept either way.
+    before = [
+        after if kept_state.is_exempt(variable) else value
+        for variable, value, after in zip(
+            self.non_trainable_variables, state[1], non_trainable
+        )
+    ]
     non_trainable = optimizer.stateless_keep_on_skip(
-        optimizer_values, state[1], non_trainable
+        optimizer_values, before, non_trainable
     )
     return logs, (trainable, non_trainable, optimizer_values, metrics)
 

@@ -24,10 +24,12 @@ it) and a first loss scale: the largest power of two that keeps the largest
 gradient 16 times below float16's maximum.
 
 The pieces: `kmp.tools.audit_data` checks `x`, `y` and the loss,
-`kmp.tools.audit_probe` runs the models, `kmp.tools.audit_stats` adds up the
-numbers and `kmp.tools.audit_report` holds the result. `kmp audit
-MODEL.keras --data DATA.npz` runs it on saved files. TensorFlow backend
-only.
+`kmp.tools.audit_probe` runs the models, `kmp.tools.audit_gradients` takes
+the gradients (through `kmp.tools.gradients`, the one part written per
+backend), `kmp.tools.audit_stats` adds up the numbers and
+`kmp.tools.audit_report` holds the result. `kmp audit MODEL.keras --data
+DATA.npz` runs it on saved files. It works alike on Keras's TensorFlow, JAX
+and torch backends.
 """
 
 from typing import Callable
@@ -35,22 +37,20 @@ from typing import Optional
 from typing import Union
 
 import keras
-import numpy as np
+import numpy as np  # noqa: F401 - for the example.
 
 from kmp.core import loss_scale as _rule
-from kmp.core.backend import tensorflow as _tensorflow
 from kmp.core.checks import checked_float
 from kmp.core.policy import PolicyLike
 from kmp.core.policy import as_policy as _to_policy
 from kmp.tools import audit_data
+from kmp.tools import audit_gradients
 from kmp.tools import audit_probe
 from kmp.tools import audit_stats
 from kmp.tools import models
 from kmp.tools.audit_report import AuditReport
 from kmp.tools.audit_report import LayerAudit
 from kmp.tools.convert import convert
-
-tf = _tensorflow()
 
 
 def audit(
@@ -174,6 +174,9 @@ def audit(
         loss_scale = _rule.DEFAULT_INITIAL_SCALE if uses_float16 else 1.0
 
     stats = [audit_stats.Stats() for _ in low_probe.calls]
+    gradients = None
+    if loss_fn is not None:
+        gradients = audit_gradients.Gradients(reference_probe, loss_fn)
     samples = 0
     for x_batch, y_batch in audit_data.batches(
         x, y, x_samples, batch_size, steps
@@ -186,7 +189,7 @@ def audit(
             dtypes,
             x_batch,
             y_batch,
-            loss_fn,
+            gradients,
             float(loss_scale),
             model.name,
             policy_name,
@@ -241,28 +244,20 @@ def _policy_description(model) -> str:
 
 
 def _audit_batch(
-    reference, low, stats, dtypes, x, y, loss_fn, scale, model_name, policy_name
+    reference,
+    low,
+    stats,
+    dtypes,
+    x,
+    y,
+    gradients,
+    scale,
+    model_name,
+    policy_name,
 ):
-    """Adds one batch's measurements to `stats`."""
-    weights = [audit_probe.trainable_weights(c) for c in reference.calls]
-    first_call = {}
-    for index, call in enumerate(reference.calls):
-        first_call.setdefault(id(call.operation), index)
-    with tf.GradientTape() as tape:
-        reference_values = reference(x)
-        if loss_fn is not None:
-            outputs = reference_values[
-                len(reference.inputs) : len(reference.inputs)
-                + len(reference.outputs)
-            ]
-            loss = tf.add_n(
-                [
-                    audit_data.mean_loss(loss_fn, target, output, name)
-                    for target, output, name in zip(
-                        y, outputs, reference.output_names
-                    )
-                ]
-            )
+    """Adds one batch's measurements to `stats` (gradients, an
+    `audit_gradients.Gradients`, None without a loss)."""
+    reference_values = reference(x)
     try:
         low_values = low(x)
     except Exception as error:  # The model's own failure under its policy.
@@ -276,14 +271,8 @@ def _audit_batch(
     by_key = {
         key: value for key, value in zip(reference.keys, reference_values)
     }
-    if loss_fn is not None:
-        # A layer may give None for an output its graph lists (an optional
-        # state, say): nothing to measure there.
-        call_tensors = [
-            [v for v in reference_values[s] if v is not None]
-            for s in reference.call_slices
-        ]
-        gradients = tape.gradient(loss, [call_tensors, weights])
+    if gradients is not None:
+        output_gradients, weight_gradients = gradients(reference_values, x, y)
     for index, call in enumerate(low.calls):
         entry = stats[index]
         dtype = dtypes[index]
@@ -303,25 +292,14 @@ def _audit_batch(
             alone,
         )
         values = [v for v in values if all(x is not None for x in v)]
-        ref = [np.asarray(r, np.float32) for r, _, _ in values]
-        end = [np.asarray(tf.cast(e, tf.float32)) for _, e, _ in values]
+        ref = [audit_probe.numpy_float32(r) for r, _, _ in values]
+        end = [audit_probe.numpy_float32(e) for _, e, _ in values]
         local = [loc for _, _, loc in values]
         entry.add_activations(ref, end, local, dtype)
-        if loss_fn is None:
-            continue
-        output_gradients = [
-            np.asarray(g, np.float32)
-            for g in gradients[0][index]
-            if g is not None
-        ]
-        weight_gradients = []
-        if first_call[id(reference.calls[index].operation)] == index:
-            weight_gradients = [
-                np.asarray(tf.convert_to_tensor(g), np.float32)
-                for g in gradients[1][index]
-                if g is not None
-            ]
-        entry.add_gradients(output_gradients, weight_gradients, dtype, scale)
+        if gradients is not None:
+            entry.add_gradients(
+                output_gradients[index], weight_gradients[index], dtype, scale
+            )
 
 
 __all__ = ["AuditReport", "LayerAudit", "audit"]

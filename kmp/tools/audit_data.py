@@ -17,11 +17,9 @@ from typing import Optional
 import keras
 import numpy as np
 
-from kmp.core.backend import tensorflow as _tensorflow
 from kmp.core.checks import describe
 from kmp.tools.audit_probe import output_names
-
-tf = _tensorflow()
+from kmp.tools.gradients import SHAPE_ERRORS
 
 
 def resolve_loss(loss, model, needed: bool) -> Optional[Callable]:
@@ -72,26 +70,36 @@ def mean_loss(loss_fn, target, output, output_name: str):
     name = _loss_name(loss_fn)
     try:
         value = loss_fn(target, output)
-    except (ValueError, tf.errors.InvalidArgumentError) as error:
+    except SHAPE_ERRORS as error:
         raise ValueError(
             f"'y' does not fit model output {output_name!r} under the loss "
             f"{name!r}: target shape {tuple(target.shape)}, output shape "
             f"{tuple(output.shape)}. The loss failed with: {error}"
         ) from error
-    try:
-        dtype = tf.convert_to_tensor(value).dtype
-    except (TypeError, ValueError):
-        dtype = None
-    if dtype is None or not (dtype.is_floating or dtype.is_integer):
-        returned = type(value).__name__ if dtype is None else dtype.name
+    dtype = _dtype(value)
+    if dtype is None or not ("float" in dtype or "int" in dtype):
+        returned = type(value).__name__ if dtype is None else dtype
         raise TypeError(
             f"'loss' must return numbers (the losses per sample). Received: "
             f"the loss {name!r}, which returned {returned}"
         )
-    return tf.reduce_mean(tf.cast(value, tf.float32))
+    return keras.ops.mean(keras.ops.cast(value, "float32"))
 
 
-_ARRAY_TYPES = (np.ndarray, tf.Tensor, tf.Variable, keras.Variable)
+def _dtype(value) -> Optional[str]:
+    """The dtype name of what a loss returned, or None if not numbers."""
+    try:
+        return keras.backend.standardize_dtype(
+            keras.ops.convert_to_tensor(value).dtype
+        )
+    except (TypeError, ValueError):
+        return None
+
+
+def _is_array(value) -> bool:
+    return isinstance(value, (np.ndarray, keras.Variable)) or (
+        keras.ops.is_tensor(value)
+    )
 
 
 def as_arrays(value, argument: str):
@@ -111,7 +119,7 @@ def as_arrays(value, argument: str):
     else:
         leaves = [value]
     for leaf in leaves:
-        if not isinstance(leaf, _ARRAY_TYPES):
+        if not _is_array(leaf):
             hint = ""
             if isinstance(value, (list, tuple)):
                 hint = f" For lists of numbers, pass np.asarray({argument})."
@@ -124,7 +132,12 @@ def as_arrays(value, argument: str):
         raise ValueError(
             f"{allowed}; it holds none. Received: {argument}={value!r}"
         )
-    arrays = [np.asarray(leaf) for leaf in leaves]
+    arrays = [
+        leaf
+        if isinstance(leaf, np.ndarray)
+        else keras.ops.convert_to_numpy(leaf)
+        for leaf in leaves
+    ]
     for array in arrays:
         if array.dtype.kind in "OSU":
             raise TypeError(

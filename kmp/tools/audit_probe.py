@@ -9,6 +9,12 @@ their operation in the graph, since a copy rebuilt from its config may name
 its `keras.ops` calls differently), so the float32 copy's values can be fed
 to one call of the low-precision copy alone (`run_alone`).
 
+A probe runs the graph itself, node by node as Keras's Functional model
+does, so that it can add a tensor to a call's outputs on the way (`taps`):
+a zero tensor there changes nothing, and the gradient of the loss with
+respect to it is the gradient with respect to those outputs, on every
+backend (JAX differentiates functions, not intermediate tensors).
+
 >>> inputs = keras.Input((2,))
 >>> hidden = keras.layers.Dense(2, name="hidden")(inputs)
 >>> probe = Probe(keras.Model(inputs, hidden * 2.0))
@@ -24,6 +30,8 @@ from typing import NamedTuple
 
 import keras
 import numpy as np
+from keras.src.backend import get_keras_mask
+from keras.src.backend import set_keras_mask
 
 from kmp.tools import models
 
@@ -133,6 +141,8 @@ class Probe:
         call_slices: For each call, where its outputs are in what the probe
             returns (after the inputs and the outputs).
         keys: A key per returned tensor, the same in a copy of the model.
+        tap_positions: For each call, the positions (in what the probe
+            returns) of its floating outputs, the ones a tap can go on.
     """
 
     def __init__(self, model):
@@ -163,7 +173,16 @@ class Probe:
                         listed.add(id(tensor))
                         tensors.append(tensor)
         self.model = keras.Model(graph.input, tensors)
+        self.tensors = tensors
         self.keys = [self.key(t) for t in tensors]
+        self.tap_positions = [
+            [
+                position
+                for position in range(s.start, s.stop)
+                if models.is_floating(tensors[position].dtype)
+            ]
+            for s in self.call_slices
+        ]
 
     def key(self, tensor):
         """Names a tensor alike in two copies of a model."""
@@ -182,9 +201,50 @@ class Probe:
             for call in self.calls
         ]
 
-    def __call__(self, x) -> list:
-        """The inputs, outputs and call outputs for `x`, flattened."""
-        return keras.tree.flatten(self.model(x, training=False))
+    def __call__(self, x, taps=None) -> list:
+        """The inputs, outputs and call outputs for `x`, flattened.
+
+        Runs the graph in inference mode (`training=False`), node by node
+        in the order Keras's Functional model does. `taps` maps positions
+        in the returned list to tensors added to the value there before
+        later calls read it.
+        """
+        graph = self.model
+        values = {}
+        for tensor, value in zip(graph.inputs, graph._standardize_inputs(x)):
+            values[id(tensor)] = value
+        taps = {id(self.tensors[p]): tap for p, tap in (taps or {}).items()}
+        for depth in sorted(graph._nodes_by_depth, reverse=True):
+            for node in graph._nodes_by_depth[depth]:
+                if node.operation is None or node.is_input:
+                    continue
+                if any(id(t) not in values for t in node.input_tensors):
+                    continue  # Not computable from the inputs, as in Keras.
+                args, kwargs = node.arguments.fill_in(values)
+                if models.is_layer(node.operation):
+                    kwargs = {**kwargs, "training": False}
+                outputs = node.operation(*args, **kwargs)
+                for tensor, value in zip(
+                    node.outputs, keras.tree.flatten(outputs)
+                ):
+                    if id(tensor) in taps and value is not None:
+                        value = _tapped(value, taps[id(tensor)])
+                    values[id(tensor)] = value
+        return [values[id(tensor)] for tensor in self.tensors]
+
+
+def _tapped(value, tap):
+    """`value + tap`, carrying what Keras attaches to `value`: its mask, and
+    the logits a softmax or sigmoid keeps (TensorFlow's crossentropy
+    computes from them, so a loss on the sum stays the loss on `value`)."""
+    tapped = value + tap
+    mask = get_keras_mask(value)
+    if mask is not None:
+        set_keras_mask(tapped, mask)
+    logits = getattr(value, "_keras_logits", None)
+    if logits is not None:
+        tapped._keras_logits = logits
+    return tapped
 
 
 def run_alone(call: Call, reference_by_key, key) -> list:
@@ -209,9 +269,18 @@ def run_alone(call: Call, reference_by_key, key) -> list:
         kwargs = {**kwargs, "training": False}
     outputs = call.operation(*args, **kwargs)
     return [
-        None if v is None else np.asarray(keras.ops.cast(v, "float32"))
+        None if v is None else numpy_float32(v)
         for v in keras.tree.flatten(outputs)
     ]
+
+
+def numpy_float32(value) -> np.ndarray:
+    """A tensor (or array) of any dtype as a float32 NumPy array.
+
+    Converted in NumPy rather than with `keras.ops`: in eager JAX every op
+    compiles once per shape and dtype, which would slow the audit down.
+    """
+    return np.asarray(keras.ops.convert_to_numpy(value), np.float32)
 
 
 __all__ = [
@@ -219,6 +288,7 @@ __all__ = [
     "Probe",
     "compute_dtype",
     "inputs_from",
+    "numpy_float32",
     "output_names",
     "run_alone",
     "trainable_weights",

@@ -151,6 +151,8 @@ class AuditReport:
 
         Raises:
             TypeError: `path` is not a `str` or `os.PathLike`.
+            FileNotFoundError: the directory of `path` does not exist
+                (checked before anything is drawn).
             ImportError: matplotlib is not installed.
         """
         if not isinstance(path, (str, os.PathLike)):
@@ -158,6 +160,13 @@ class AuditReport:
                 "'path' must be a file path (a str or os.PathLike) such as "
                 f"'ranges.png'. Received: path={path!r} of type "
                 f"{type(path).__name__}"
+            )
+        directory = os.path.dirname(os.path.abspath(os.fspath(path)))
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(
+                f"AuditReport.plot() cannot write path={path!r}: the "
+                f"directory {directory!r} does not exist. Create it first "
+                "(os.makedirs), or pass a path in an existing directory."
             )
         from kmp.tools.audit_plot import plot  # It imports this module.
 

@@ -32,7 +32,6 @@ What to look for in TensorBoard (`guides/watching_the_scale.py` shows each):
 """
 
 import collections
-import csv
 import logging
 import numbers
 import os
@@ -43,6 +42,8 @@ import keras
 
 from kmp.core import backend
 from kmp.core.optimizer import LossScaleOptimizer
+from kmp.core.optimizer_state import read_value
+from kmp.tools import monitor_output as output
 
 logger = logging.getLogger("kmp")
 
@@ -54,14 +55,7 @@ _MAX_WINDOW = 2**31 - 1
 # "epoch_" or "batch_" prefix, as Keras's TensorBoard callback names its
 # own) and the CSV file.
 KEYS = ("loss_scale", "skipped_steps", "consecutive_skips")
-CSV_COLUMNS = ("epoch",) + KEYS + ("loss",)
-
-_TENSORBOARD_MISSING = (
-    "LossScaleMonitor(log_dir=...) writes TensorBoard event files with the "
-    "'tensorboard' package, which is not installed. Install it with "
-    "`pip install tensorboard` (or `pip install kmp[tensorboard]`), or leave "
-    "log_dir unset."
-)
+CSV_COLUMNS = output.CSV_COLUMNS
 
 
 class LossScaleMonitor(keras.callbacks.Callback):
@@ -139,6 +133,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
             `"batch"` or a positive integer, or is set without `log_dir`.
         ImportError: `log_dir` is set and the `tensorboard` package is not
             installed.
+        OSError: at the start of `fit`, before the first step: the
+            directory of `csv_path` does not exist (FileNotFoundError) or
+            the file cannot be written, or `log_dir/train` cannot be
+            created.
 
     Example:
 
@@ -194,7 +192,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self.update_freq = _checked_update_freq(update_freq, self.log_dir)
         self.csv_path = _checked_path(csv_path, "csv_path")
         if self.log_dir is not None:
-            _check_tensorboard()
+            output.check_tensorboard()
         self._optimizer: Optional[LossScaleOptimizer] = None
         self._writer = None
 
@@ -229,8 +227,13 @@ class LossScaleMonitor(keras.callbacks.Callback):
             getattr(model, "run_eagerly", False)
         )
         self._skip_limit = limit if compiled and limit is not None else None
+        # Before the first step, as Keras's CSVLogger opens its file.
+        if self.csv_path is not None:
+            output.check_writable_file(self.csv_path, "csv_path")
         if self.log_dir is not None:
-            self._writer = _ScalarWriter(os.path.join(self.log_dir, "train"))
+            run = os.path.join(self.log_dir, "train")
+            output.make_directory(run, self.log_dir)
+            self._writer = output.ScalarWriter(run)
 
     def on_train_batch_end(self, batch, logs=None):
         if self._optimizer is None:
@@ -265,8 +268,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
             self._writer.flush()
         if self.csv_path is not None:
             loss = (logs or {}).get("loss")
-            self._append_csv_row(
-                [epoch, *values.values(), "" if loss is None else float(loss)]
+            output.append_csv_row(
+                self.csv_path,
+                [epoch, *values.values(), "" if loss is None else float(loss)],
             )
         self._recent.append((epoch_skipped, epoch_steps))
         self._maybe_warn(epoch, values["loss_scale"])
@@ -280,7 +284,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
         """(skipped steps, applied steps) so far; one read per variable."""
         optimizer = self._optimizer
         skipped = int(optimizer.skipped_steps)
-        applied = int(optimizer.inner_optimizer.iterations)
+        # read_value: under tf.distribute, iterations is a MirroredVariable,
+        # which int() does not take.
+        applied = int(read_value(optimizer.inner_optimizer.iterations))
         return skipped, applied
 
     def _write_batch_scalars(self):
@@ -309,15 +315,6 @@ class LossScaleMonitor(keras.callbacks.Callback):
             optimizer.check_persistent_skips()
 
     # --- Writing ------------------------------------------------------------
-
-    def _append_csv_row(self, row):
-        path = self.csv_path
-        new = not os.path.exists(path) or os.path.getsize(path) == 0
-        with open(path, "a", newline="") as file:
-            writer = csv.writer(file)
-            if new:
-                writer.writerow(CSV_COLUMNS)
-            writer.writerow(row)
 
     def _close_writer(self):
         if self._writer is not None:
@@ -367,39 +364,6 @@ class LossScaleMonitor(keras.callbacks.Callback):
         )
 
 
-class _ScalarWriter:
-    """Scalars into one TensorBoard run directory: `tf.summary` on
-    TensorFlow, the `tensorboard` package's own writer elsewhere."""
-
-    def __init__(self, directory: str):
-        if backend.is_tensorflow():
-            self._tf = backend.tensorflow()
-            self._writer = self._tf.summary.create_file_writer(directory)
-        else:
-            from tensorboard.summary import Writer
-
-            self._tf = None
-            self._writer = Writer(directory)
-
-    def write(self, prefix: str, values: dict, step: int) -> None:
-        if self._tf is None:
-            for name, value in values.items():
-                self._writer.add_scalar(prefix + name, value, step)
-            return
-        summary = self._tf.summary
-        # record_if(True): a keras.callbacks.TensorBoard with update_freq
-        # sets a process-wide condition that would drop these.
-        with self._writer.as_default(), summary.record_if(True):
-            for name, value in values.items():
-                summary.scalar(prefix + name, value, step=step)
-
-    def flush(self) -> None:
-        self._writer.flush()
-
-    def close(self) -> None:
-        self._writer.close()
-
-
 def _checked_path(value, argument: str) -> Optional[str]:
     if value is None:
         return None
@@ -446,18 +410,6 @@ def _checked_update_freq(update_freq, log_dir) -> Union[str, int]:
             f"update_freq={update_freq!r} with log_dir=None"
         )
     return update_freq
-
-
-def _check_tensorboard() -> None:
-    """Raises ImportError unless the writer `_ScalarWriter` uses imports."""
-    try:
-        if backend.is_tensorflow():
-            # tf.summary's scalar() comes from the tensorboard package.
-            import tensorboard  # noqa: F401
-        else:
-            from tensorboard.summary import Writer  # noqa: F401
-    except ImportError as error:
-        raise ImportError(_TENSORBOARD_MISSING) from error
 
 
 __all__ = ["LossScaleMonitor"]

@@ -4,25 +4,28 @@ Two small tools that make a training step go non-finite on purpose, so a test
 can check that the step is skipped and that training recovers:
 
 * `GradientFaults` writes inf or NaN into chosen gradients at chosen steps,
-  optionally on one replica only. Call it between computing and applying the
-  gradients (in a custom loop, or in a model's `train_step`).
+  optionally on one replica only (TensorFlow's `tf.distribute`). Call it
+  between computing and applying the gradients (in a custom loop, or in a
+  model's `train_step`).
 * `OverflowAt` is a Keras layer that multiplies its input by a huge factor on
   chosen training steps: under `mixed_float16` the activations leave float16's
   range (largest finite value 65504) and the loss becomes inf or NaN, as a real
   forward-pass overflow would.
 
-Both are plain TensorFlow ops with no Python branching on values, so they run
-eagerly, inside `tf.function`, with `jit_compile=True`, and in every replica of
-a `tf.distribute` strategy. In a custom loop:
+Both are written in `keras.ops` with no Python branching on values, so they
+work on Keras's TensorFlow, JAX and torch backends: eagerly, inside
+`tf.function` or `jax.jit`, with `jit_compile=True`, and (on TensorFlow) in
+every replica of a `tf.distribute` strategy. In a custom loop:
 
-    faults = GradientFaults({3: ("inf", [0])}, replica=1)
+    faults = GradientFaults({3: ("inf", [0])})
     ...
     grads = optimizer.get_unscaled_gradients(scaled_grads)
     grads = faults(grads, step)          # step: your own counter
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
-In `model.fit`, do the same in an overridden `train_step`, between
-`tape.gradient(...)` and `self.optimizer.apply_gradients(...)`.
+In `model.fit`, do the same in an overridden `train_step`, between computing
+the gradients and `self.optimizer.apply_gradients(...)`; or put an
+`OverflowAt` layer in the model, which needs no change to the step.
 """
 
 import math
@@ -36,17 +39,20 @@ from typing import Tuple
 from typing import Union
 
 import keras
+import numpy as np
+from keras import ops
 
-from kmp.core.backend import tensorflow as _tensorflow
+from kmp.core import backend
+from kmp.core import kept_state
 from kmp.core.checks import checked_float
-
-tf = _tensorflow()
-
+from kmp.core.checks import is_indexed_slices
 
 FAULT_KINDS = ("inf", "nan")
 
 # The largest finite float32: a larger factor cannot even be a float32.
-_FLOAT32_MAX = float(tf.float32.max)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+# OverflowAt's call counter: JAX has no int64 unless x64 is enabled.
+_COUNT_DTYPE = "int32" if backend.is_jax() else "int64"
 
 # Containers accepted for several step or gradient indices.
 _INDEX_CONTAINERS = (list, tuple, set, frozenset, range)
@@ -89,19 +95,31 @@ def _check_indices(
     return tuple(_check_index(value, argument, what) for value in values)
 
 
+def _rank(value) -> Optional[int]:
+    try:
+        return len(value.shape)
+    except (TypeError, ValueError):  # A graph tensor of unknown rank.
+        return None
+
+
+def _is_tensor(value) -> bool:
+    return isinstance(value, keras.Variable) or ops.is_tensor(value)
+
+
 def _check_step(step) -> None:
     """Checks that `step` is a non-negative int or an integer scalar tensor.
 
     Only static properties (type, dtype, rank) are read, never a tensor's
-    value: inside `tf.function` this runs once, at trace time, adding no op.
+    value: inside `tf.function` or `jax.jit` this runs once, at trace
+    time, adding no op.
     """
     if _is_int(step):
         _check_index(step, "step")
         return
     if (
-        tf.is_tensor(step)
-        and tf.as_dtype(step.dtype).is_integer
-        and tf.TensorShape(step.shape).rank == 0
+        _is_tensor(step)
+        and "int" in keras.backend.standardize_dtype(step.dtype)
+        and _rank(step) == 0
     ):
         return
     raise TypeError(
@@ -112,11 +130,15 @@ def _check_step(step) -> None:
 
 
 def _check_gradients(gradients) -> List:
-    """`gradients` as a new list of tensors, `tf.IndexedSlices` or None."""
+    """`gradients` as a new list of tensors (`tf.IndexedSlices` on
+    TensorFlow) or None."""
+    if backend.is_tensorflow():
+        kinds = "tensors, tf.IndexedSlices or None), as tape.gradient returns"
+    else:
+        kinds = "tensors or None)"
     expected = (
-        "'gradients' must be a list or tuple of gradients (tensors, "
-        "tf.IndexedSlices or None), as tape.gradient returns; pass the "
-        "gradients alone, not (gradient, variable) pairs"
+        f"'gradients' must be a list or tuple of gradients ({kinds}; pass "
+        "the gradients alone, not (gradient, variable) pairs"
     )
     if not isinstance(gradients, (list, tuple)):
         raise TypeError(
@@ -126,8 +148,8 @@ def _check_gradients(gradients) -> List:
     for index, gradient in enumerate(gradients):
         if not (
             gradient is None
-            or isinstance(gradient, tf.IndexedSlices)
-            or tf.is_tensor(gradient)
+            or is_indexed_slices(gradient)
+            or _is_tensor(gradient)
         ):
             raise TypeError(
                 f"{expected}. Received: gradients[{index}]={gradient!r} of "
@@ -139,13 +161,33 @@ def _check_gradients(gradients) -> List:
 def _check_replica(replica) -> Optional[int]:
     if replica is None:
         return None
-    return _check_index(replica, "replica", "replica id")
+    replica = _check_index(replica, "replica", "replica id")
+    if not backend.is_tensorflow():
+        raise ValueError(
+            "'replica' picks one replica of a tf.distribute strategy, which "
+            f"Keras's TensorFlow backend has; Keras runs on "
+            f"{backend.name()!r}: pass replica=None (every device). "
+            + _ONE_DEVICE_HINT.get(backend.name(), "")
+            + f" Received: replica={replica!r}"
+        )
+    return replica
+
+
+_ONE_DEVICE_HINT = {
+    "jax": (
+        "To make one device's values non-finite under "
+        "keras.distribution.DataParallel, put inf or NaN in the rows of "
+        "the batch that device gets (the batch is split along its first "
+        "axis, in order)."
+    ),
+}
 
 
 def _replica_matches(replica: Optional[int]):
     """Whether this replica is the chosen one (always True when None)."""
     if replica is None:
-        return tf.constant(True)
+        return ops.convert_to_tensor(True)
+    tf = backend.tensorflow()  # _check_replica allows one on TF only.
     context = tf.distribute.get_replica_context()
     if context is None:
         raise ValueError(
@@ -163,11 +205,14 @@ def _replica_matches(replica: Optional[int]):
     return tf.equal(replica_id, replica)
 
 
-def _poison(values: tf.Tensor, now, kind: str) -> tf.Tensor:
+def _poison(values, now, kind: str):
     """`values` with its first element set to inf or NaN when `now` is True."""
-    bad = tf.constant(math.inf if kind == "inf" else math.nan, values.dtype)
-    first = tf.reshape(tf.equal(tf.range(tf.size(values)), 0), tf.shape(values))
-    return tf.where(tf.logical_and(first, now), bad, values)
+    dtype = keras.backend.standardize_dtype(values.dtype)
+    bad = ops.convert_to_tensor(math.inf if kind == "inf" else math.nan, dtype)
+    first = ops.reshape(
+        ops.equal(ops.arange(ops.size(values)), 0), ops.shape(values)
+    )
+    return ops.where(ops.logical_and(first, now), bad, values)
 
 
 class GradientFaults:
@@ -177,33 +222,35 @@ class GradientFaults:
     and the indices of the gradients to corrupt (positions in the gradient
     list). On a scheduled step the first element of each chosen gradient is
     replaced; every other step, and every other gradient, passes through
-    unchanged. With `replica` set, only that replica (its
-    `replica_id_in_sync_group`) corrupts its gradients, which is how a fault
-    on one GPU or one worker looks.
+    unchanged. With `replica` set (TensorFlow's `tf.distribute` only), only
+    that replica (its `replica_id_in_sync_group`) corrupts its gradients,
+    which is how a fault on one GPU or one worker looks.
 
     The step is a tensor (or number), compared inside the graph, so one traced
-    `tf.function` serves every step. Keep your own step counter: an
-    optimizer's `iterations` does not advance on a skipped step.
+    `tf.function` or `jax.jit` function serves every step. Keep your own step
+    counter: an optimizer's `iterations` does not advance on a skipped step.
 
     Args:
         schedule: `{step: (kind, [gradient indices])}`, steps and indices
             non-negative integers, `kind` one of `"inf"`, `"nan"`, the
             indices a non-empty list, tuple or set.
         replica: Inject only on this replica; `None` (default) for all.
+            TensorFlow only (a `tf.distribute` replica).
 
     Raises:
         TypeError: `schedule` is not a dict, or a step, kind, index list or
             index has the wrong type.
         ValueError: a step, kind or index has a wrong value, or an index list
-            is empty.
+            is empty; `replica` is set off TensorFlow.
 
     Example:
 
     >>> faults = GradientFaults({1: ("nan", [0])})
-    >>> grads = [tf.constant([1.0, 2.0]), tf.constant(3.0)]
-    >>> [g.numpy().tolist() for g in faults(grads, step=0)]
+    >>> grads = [keras.ops.convert_to_tensor([1.0, 2.0]),
+    ...          keras.ops.convert_to_tensor(3.0)]
+    >>> [keras.ops.convert_to_numpy(g).tolist() for g in faults(grads, 0)]
     [[1.0, 2.0], 3.0]
-    >>> [g.numpy().tolist() for g in faults(grads, step=1)]
+    >>> [keras.ops.convert_to_numpy(g).tolist() for g in faults(grads, 1)]
     [[nan, 2.0], 3.0]
     """
 
@@ -255,8 +302,9 @@ class GradientFaults:
         """Returns the gradients, corrupted if `step` is a scheduled step.
 
         Args:
-            gradients: A list or tuple of gradients (tensors,
-                `tf.IndexedSlices` or `None`), as `tape.gradient` returns.
+            gradients: A list or tuple of gradients (tensors, `None`, and
+                on TensorFlow `tf.IndexedSlices`, as `tape.gradient`
+                returns).
             step: The current step index: a non-negative Python or NumPy
                 int, or an integer scalar tensor or variable.
 
@@ -280,31 +328,31 @@ class GradientFaults:
                         f"{index}, but there are {len(gradients)} gradients"
                         " and that one is missing or None."
                     )
-                dtype = tf.as_dtype(gradients[index].dtype)
-                if not dtype.is_floating:
+                dtype = keras.backend.standardize_dtype(gradients[index].dtype)
+                if "float" not in dtype:
                     raise TypeError(
                         f"The fault at step {step_index} targets gradient "
                         f"{index}, but only a floating-point gradient can "
                         f"hold inf or NaN. Received: gradients[{index}] of "
-                        f"dtype {dtype.name}"
+                        f"dtype {dtype}"
                     )
         if not self._schedule:
             return gradients
-        step = tf.cast(step, tf.int64)
+        step = ops.convert_to_tensor(step)
         on_replica = _replica_matches(self._replica)
         for step_index, (kind, indices) in self._schedule.items():
-            now = tf.logical_and(on_replica, tf.equal(step, step_index))
+            now = ops.logical_and(on_replica, ops.equal(step, step_index))
             for index in indices:
                 gradient = gradients[index]
-                if isinstance(gradient, tf.IndexedSlices):
-                    gradients[index] = tf.IndexedSlices(
+                if is_indexed_slices(gradient):
+                    gradients[index] = type(gradient)(
                         _poison(gradient.values, now, kind),
                         gradient.indices,
                         gradient.dense_shape,
                     )
                 else:
                     gradients[index] = _poison(
-                        tf.convert_to_tensor(gradient), now, kind
+                        ops.convert_to_tensor(gradient), now, kind
                     )
         return gradients
 
@@ -319,8 +367,9 @@ class OverflowAt(keras.layers.Layer):
     inf under `mixed_float16`, while the same layer stays finite under
     `float32`: put it before the output layer to reproduce a forward-pass
     overflow. It counts its own calls with `training=True` in a non-trainable
-    int64 variable, `calls` (steps are 0-based), so a skipped step does not
-    repeat the fault; calls with `training=False` pass through uncounted.
+    integer variable, `calls` (int64; int32 on JAX), steps 0-based, so a
+    skipped step does not repeat the fault; calls with `training=False` pass
+    through uncounted.
 
     Args:
         steps: A step index or a non-empty list, tuple or set of them
@@ -328,17 +377,18 @@ class OverflowAt(keras.layers.Layer):
         factor: The multiplier, a number > 0 and at most float32's largest
             finite value (about 3.4e38); 2**17 by default.
         replica: Overflow only on this replica; `None` (default) for all.
+            TensorFlow only (a `tf.distribute` replica).
         **kwargs: Passed to `keras.layers.Layer` (`name`, `dtype`, ...).
 
     Raises:
         TypeError: `steps`, `factor` or `replica` has the wrong type.
         ValueError: a step is negative, `steps` is empty, or `factor` is
-            not in (0, float32 max].
+            not in (0, float32 max]; `replica` is set off TensorFlow.
 
     Example:
 
     >>> layer = OverflowAt(steps=[1], dtype="float16")
-    >>> x = tf.constant([1.0])
+    >>> x = keras.ops.convert_to_tensor([1.0])
     >>> [float(layer(x, training=True)[0]) for _ in range(3)]
     [1.0, inf, 1.0]
     """
@@ -377,12 +427,14 @@ class OverflowAt(keras.layers.Layer):
         self.supports_masking = True
         self.calls = self.add_weight(
             shape=(),
-            dtype="int64",
+            dtype=_COUNT_DTYPE,
             initializer="zeros",
             trainable=False,
             aggregation="only_first_replica",
             name="calls",
         )
+        # It counts calls, skipped steps included: fit must not put it back.
+        kept_state.exempt(self.calls)
 
     @property
     def steps(self) -> List[int]:
@@ -397,16 +449,19 @@ class OverflowAt(keras.layers.Layer):
     def call(self, inputs, training=None):
         if not training:
             return inputs
-        calls = tf.convert_to_tensor(self.calls)
-        now = tf.logical_and(
+        calls = ops.convert_to_tensor(self.calls)  # Read before adding 1.
+        steps = ops.convert_to_tensor(self._steps, _COUNT_DTYPE)
+        now = ops.logical_and(
             _replica_matches(self._replica),
-            tf.reduce_any(tf.equal(calls, tf.constant(self._steps, tf.int64))),
+            ops.any(ops.equal(calls, steps)),
         )
-        # The multiplier is chosen first (not tf.where on the two results),
+        # The multiplier is chosen first (not where() on the two results),
         # so the other steps' gradients never meet 0 * inf. Multiplying in
-        # the compute dtype is the point: float16 overflows.
-        factor = tf.cast(self._factor, inputs.dtype)
-        multiplier = tf.where(now, factor, tf.ones_like(factor))
+        # the compute dtype is the point: float16 overflows (JAX casts the
+        # constant with NumPy, which would warn).
+        with np.errstate(over="ignore"):
+            factor = ops.cast(self._factor, inputs.dtype)
+        multiplier = ops.where(now, factor, ops.ones_like(factor))
         self.calls.assign_add(1)
         return inputs * multiplier
 

@@ -1,4 +1,7 @@
-"""Tests for `kmp audit MODEL.keras --data DATA.npz` (kmp_cli/audit.py)."""
+"""Tests for `kmp audit MODEL.keras --data DATA.npz` (kmp_cli/audit.py).
+
+They run on every backend: the command audits with the one Keras runs on.
+"""
 
 import keras
 import numpy as np
@@ -88,3 +91,37 @@ def test_audit_command_works_on_a_mixed_model_as_saved(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "under mixed_float16" in out
     assert "Keep in float32: no layer needs it." in out
+
+
+def _saved(tmp_path):
+    model_path = tmp_path / "model.keras"
+    _overflow_model().save(model_path)
+    data_path = tmp_path / "data.npz"
+    np.savez(data_path, x=_data()[0])
+    return str(model_path), str(data_path)
+
+
+def test_plot_path_is_checked_before_the_audit_runs(
+    tmp_path, capsys, monkeypatch
+):
+    from kmp.tools import audit as audit_module
+
+    audited = []
+    monkeypatch.setattr(
+        audit_module, "audit", lambda *args, **kwargs: audited.append(args)
+    )
+    model_path, data_path = _saved(tmp_path)
+    plot_path = str(tmp_path / "missing" / "ranges.png")
+    with pytest.raises(SystemExit) as raised:
+        main(["audit", model_path, "--data", data_path, "--plot", plot_path])
+    assert raised.value.code == 2  # argparse's usage error.
+    assert audited == []
+    assert f"cannot write {plot_path!r}: directory" in capsys.readouterr().err
+
+
+def test_a_bad_policy_is_an_error_message_not_a_traceback(tmp_path):
+    model_path, data_path = _saved(tmp_path)
+    with pytest.raises(SystemExit) as raised:
+        main(["audit", model_path, "--data", data_path, "--policy", "int8"])
+    assert str(raised.value).startswith("kmp audit: error: 'policy' must be")
+    assert "Received: policy='int8'" in str(raised.value)

@@ -224,6 +224,15 @@ def test_apply_gradients_rejects_bad_input_and_changes_nothing(
     assert training.optimizer_state(optimizer) == (8.0, 1, 0, 1)
 
 
+def test_a_wrong_gradient_shape_names_indexed_slices_only_on_tensorflow():
+    # Off TensorFlow there is no tf.IndexedSlices to point the user to.
+    variable = keras.Variable(np.ones((4, 2), "float32"), name="kernel")
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(ValueError, match=r"shape \(4, 2\)") as raised:
+        optimizer.apply_gradients([(keras.ops.ones((2, 4)), variable)])
+    assert ("tf.IndexedSlices" in str(raised.value)) == backends.TENSORFLOW
+
+
 def test_apply_gradients_converts_arrays_and_returns_iterations():
     variable = keras.Variable([1.0, 2.0])
     optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=8)

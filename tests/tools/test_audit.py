@@ -5,7 +5,6 @@ import math
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import kmp
 from kmp.tools.audit import AuditReport
@@ -349,11 +348,7 @@ _X = np.ones((8, 4), "float32")
         (None, TypeError, "'x' must be an array.*x=None"),
         (np.float32(1), TypeError, "'x' must be an array.*float32"),
         ("data.npz", TypeError, "'x' must be an array.*'data.npz'"),
-        (
-            tf.data.Dataset.from_tensor_slices(_X).batch(4),
-            TypeError,
-            "'x' must be an array.*Dataset",
-        ),
+        (iter([_X]), TypeError, "'x' must be an array.*list_iterator"),
         (_X.tolist(), TypeError, r"holding a list.*np\.asarray\(x\)"),
         ([[1, 2], [1, 2, 3, 4]], TypeError, r"np\.asarray\(x\)"),
         (np.full((8, 4), "a"), TypeError, "'x' must be .* of numbers"),
@@ -370,7 +365,7 @@ _X = np.ones((8, 4), "float32")
         "none",
         "scalar",
         "string",
-        "dataset",
+        "iterator",
         "list_of_lists",
         "ragged",
         "strings",
@@ -383,6 +378,15 @@ _X = np.ones((8, 4), "float32")
 def test_bad_x(x, error, match):
     with pytest.raises(error, match=match):
         audit(_tiny(), x, policy="mixed_float16")
+
+
+@pytest.mark.tensorflow
+def test_dataset_x_is_refused():
+    import tensorflow as tf
+
+    dataset = tf.data.Dataset.from_tensor_slices(_X).batch(4)
+    with pytest.raises(TypeError, match="'x' must be an array.*Dataset"):
+        audit(_tiny(), dataset, policy="mixed_float16")
 
 
 @pytest.mark.parametrize(
@@ -424,7 +428,7 @@ def test_y_as_dict_and_sparse_labels():
 
 
 def test_loss_returning_no_numbers_is_a_type_error():
-    with pytest.raises(TypeError, match="'loss' must return numbers.*string"):
+    with pytest.raises(TypeError, match="'loss' must return numbers.*str"):
         audit(
             _tiny(),
             _X,
@@ -444,6 +448,28 @@ def test_compiled_loss_per_output_asks_for_loss(compiled_loss):
         audit(model, _X, np.ones((8, 2)), policy="mixed_float16")
     report = audit(model, _X, np.ones((8, 2)), "mse", "mixed_float16")
     assert report.layers[0].gradient_max_abs is not None
+
+
+def test_plot_into_a_missing_directory_fails_before_drawing(
+    tmp_path, monkeypatch
+):
+    from kmp.tools import audit_plot
+
+    drawn = []
+    monkeypatch.setattr(audit_plot, "plot", lambda *args: drawn.append(args))
+    report = audit(_tiny(), _X, policy="mixed_float16")
+    path = tmp_path / "missing" / "ranges.png"
+    with pytest.raises(FileNotFoundError) as raised:
+        report.plot(path)
+    assert drawn == []
+    assert f"cannot write path={path!r}" in str(raised.value)
+    assert repr(str(tmp_path / "missing")) in str(raised.value)
+
+
+def test_audit_report_is_a_class_on_every_backend():
+    report = kmp.audit(_tiny(), _X, policy="mixed_float16")
+    assert isinstance(kmp.AuditReport, type)
+    assert isinstance(report, kmp.AuditReport)
 
 
 @pytest.mark.parametrize("path", [None, 123], ids=["none", "int"])

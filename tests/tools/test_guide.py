@@ -1,4 +1,5 @@
-"""guides/tools.py, the tools' guide, runs from top to bottom as it says."""
+"""guides/tools.py, the tools' guide, runs from top to bottom as it says,
+on the backend the tests run on."""
 
 import os
 import pathlib
@@ -6,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import keras
 import pytest
 
 GUIDE = pathlib.Path(__file__).resolve().parents[2] / "guides" / "tools.py"
@@ -16,7 +18,7 @@ def guide_output(tmp_path_factory):
     environment = dict(
         os.environ,
         KMP_GUIDE_SMALL="1",
-        KERAS_BACKEND="tensorflow",
+        KERAS_BACKEND=keras.backend.backend(),
         TF_CPP_MIN_LOG_LEVEL="3",
         TMPDIR=str(tmp_path_factory.mktemp("guide")),
     )

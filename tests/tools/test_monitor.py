@@ -301,8 +301,11 @@ _SCRIPTED_BATCHES = [
 ]
 
 
-def _scripted_run(tmp_path, **monitor_kwargs):
-    """Two epochs of the script above; returns (events, history, recorder)."""
+def _scripted_run(tmp_path, data=None, **monitor_kwargs):
+    """Two epochs of the script above; returns (events, history, recorder).
+
+    The model is made in the scope of the distribution in effect, if any.
+    """
     optimizer = kmp.LossScaleOptimizer(
         keras.optimizers.SGD(0.01), initial_scale=8, dynamic_growth_steps=2
     )
@@ -311,9 +314,8 @@ def _scripted_run(tmp_path, **monitor_kwargs):
     monitor = LossScaleMonitor(
         warn_skip_fraction=1.0, log_dir=log_dir, **monitor_kwargs
     )
-    history = _fit(
-        _model(optimizer), _data(bad_steps=[2, 3]), 2, [monitor, recorder]
-    )
+    data = _data(bad_steps=[2, 3]) if data is None else data
+    history = _fit(_model(optimizer), data, 2, [monitor, recorder])
     return _events(log_dir), history.history, recorder.states
 
 
@@ -397,6 +399,135 @@ def test_missing_tensorboard_is_a_clear_import_error(monkeypatch, tmp_path):
     LossScaleMonitor(csv_path=str(tmp_path / "log.csv"))  # Needs none.
 
 
+# --- Distributed fit ---------------------------------------------------------
+
+
+def _first_replica_data():
+    """The script's data with inf only in the first row of batches 2 and 3:
+    in the part of the batch the first replica (or device) gets."""
+    x, y = _data()
+    for step in (2, 3):
+        x[step * BATCH] = np.inf
+    return x, y
+
+
+def _check_every_value_of_the_script(events, history, recorded, rows):
+    """The monitor's batch and epoch scalars, history and CSV rows hold the
+    script's state at every step."""
+    steps = list(range(1, 9))
+    assert recorded == _SCRIPTED_BATCHES
+    scales = [scale for scale, _, _ in _SCRIPTED_BATCHES]
+    in_a_row = [count for _, _, count in _SCRIPTED_BATCHES]
+    assert events["batch_loss_scale"] == list(zip(steps, scales))
+    assert events["batch_consecutive_skips"] == list(zip(steps, in_a_row))
+    assert events["batch_skipped_steps"] == list(
+        zip(steps, [0.0, 0.0, 1.0, 1.0] * 2)
+    )
+    assert history["loss_scale"] == [4.0, 2.0]
+    assert history["skipped_steps"] == [2, 2]
+    assert history["consecutive_skips"] == [2, 2]
+    assert events["epoch_loss_scale"] == [(0, 4.0), (1, 2.0)]
+    assert [row[:4] for row in rows[1:]] == [
+        ["0", "4.0", "2", "2"],
+        ["1", "2.0", "2", "2"],
+    ]
+
+
+def _csv_rows(path):
+    with open(path, newline="") as file:
+        return list(csv.reader(file))
+
+
+@needs_tensorboard
+def test_monitor_under_mirrored_strategy_logs_every_step(
+    two_replicas, tmp_path
+):
+    # int() on a MirroredVariable raised TypeError at on_train_begin: no
+    # distributed fit could use the monitor.
+    path = tmp_path / "scale.csv"
+    with two_replicas.scope():
+        events, history, recorded = _scripted_run(
+            tmp_path,
+            data=_first_replica_data(),
+            update_freq="batch",
+            csv_path=path,
+        )
+    _check_every_value_of_the_script(events, history, recorded, _csv_rows(path))
+
+
+@pytest.mark.jax
+@needs_tensorboard
+def test_monitor_under_jax_data_parallel_logs_every_step(tmp_path):
+    import jax
+
+    devices = jax.devices("cpu")
+    if len(devices) < 2:
+        pytest.skip(
+            "needs 2 CPU devices: XLA_FLAGS="
+            "--xla_force_host_platform_device_count=2 (tests/conftest.py)"
+        )
+    distribution = keras.distribution.DataParallel(devices=devices[:2])
+    path = tmp_path / "scale.csv"
+    with distribution.scope():
+        events, history, recorded = _scripted_run(
+            tmp_path,
+            data=_first_replica_data(),
+            update_freq="batch",
+            csv_path=path,
+        )
+    _check_every_value_of_the_script(events, history, recorded, _csv_rows(path))
+
+
+# --- Paths, checked before the first step ------------------------------------
+
+
+class _Steps(keras.callbacks.Callback):
+    """The batches that began, to check that none did."""
+
+    def __init__(self):
+        super().__init__()
+        self.began = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.began.append(batch)
+
+
+def test_csv_path_in_a_missing_directory_fails_before_the_first_step(
+    tmp_path,
+):
+    # It failed at the end of the first epoch, the epoch's work lost.
+    path = tmp_path / "missing" / "scale.csv"
+    steps = _Steps()
+    with pytest.raises(FileNotFoundError) as raised:
+        _fit(_model(), _data(), 1, [LossScaleMonitor(csv_path=path), steps])
+    assert steps.began == []
+    message = str(raised.value)
+    assert f"cannot write csv_path={str(path)!r}" in message
+    assert f"the directory {str(tmp_path / 'missing')!r} does not exist" in (
+        message
+    )
+
+
+def test_csv_path_that_is_a_directory_fails_before_the_first_step(tmp_path):
+    steps = _Steps()
+    with pytest.raises(IsADirectoryError, match="cannot write csv_path="):
+        _fit(_model(), _data(), 1, [LossScaleMonitor(csv_path=tmp_path), steps])
+    assert steps.began == []
+
+
+@needs_tensorboard
+def test_log_dir_that_cannot_be_made_fails_before_the_first_step(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    log_dir = str(a_file / "logs")
+    steps = _Steps()
+    with pytest.raises(NotADirectoryError) as raised:
+        _fit(_model(), _data(), 1, [LossScaleMonitor(log_dir=log_dir), steps])
+    assert steps.began == []
+    assert "cannot create its TensorBoard directory" in str(raised.value)
+    assert f"log_dir={log_dir!r}" in str(raised.value)
+
+
 # --- CSV ----------------------------------------------------------------------
 
 
@@ -477,13 +608,18 @@ def test_persistent_skips_raise_under_xla_at_the_batch_reaching_the_limit():
     assert int(optimizer.iterations) == 1
 
 
-@tensorflow_only
+# Not on JAX: there an eager (jit_compile=False) step that raises loses its
+# state update (skipped_steps reads 2, not 3), which is the core's to fix.
+@pytest.mark.tensorflow
+@pytest.mark.torch
 def test_persistent_skips_raise_without_xla_from_the_optimizer():
-    tf = pytest.importorskip("tensorflow")
     model = _skipping_model(jit_compile=False, mode="raise")
     batches = _Batches()
-    # Inside the step TensorFlow wraps the FloatingPointError.
-    with pytest.raises(tf.errors.UnknownError, match="the last 3 steps"):
+    error = FloatingPointError
+    if BACKEND == "tensorflow":
+        # Inside the step TensorFlow wraps the FloatingPointError.
+        error = pytest.importorskip("tensorflow").errors.UnknownError
+    with pytest.raises(error, match="the last 3 steps"):
         _fit(
             model,
             _data(bad_steps=[1, 2, 3, 4, 5], steps=8),
