@@ -1,10 +1,10 @@
 """Which of kmp's own modules pytest collects (for their doctests).
 
 `setup.cfg` runs the docstring examples of `kmp/` and `kmp_cli/` too. The
-modules below need Keras's TensorFlow backend: they raise at import on
-another one, so there they are not collected. Everything else in `kmp/`
-must import, and its examples pass, on every backend. (The test set-up
-proper is `tests/conftest.py`.)
+modules below need one Keras backend (TensorFlow's, JAX's or torch's): they
+raise at import on another one, so there they are not collected.
+Everything else in `kmp/` must import, and its examples pass, on every
+backend. (The test set-up proper is `tests/conftest.py`.)
 """
 
 import fnmatch
@@ -18,8 +18,6 @@ import keras  # noqa: E402
 TENSORFLOW_ONLY_MODULES = (
     "kmp/core/tf_*.py",
     "kmp/core/fused.py",
-    "kmp/core/low_precision.py",
-    "kmp/core/rounding.py",
     "kmp/patches/dense.py",
     "kmp/patches/mean.py",
     "kmp/testing.py",
@@ -28,16 +26,24 @@ TENSORFLOW_ONLY_MODULES = (
     "kmp/tools/bench.py",
     "kmp/tools/testing.py",
 )
+JAX_ONLY_MODULES = ("kmp/core/jax_*.py",)
+TORCH_ONLY_MODULES = ("kmp/core/torch_*.py",)
+_ONLY_MODULES = {
+    "tensorflow": TENSORFLOW_ONLY_MODULES,
+    "jax": JAX_ONLY_MODULES,
+    "torch": TORCH_ONLY_MODULES,
+}
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def pytest_ignore_collect(collection_path, config):
-    """True (do not collect) for a TensorFlow-only module off TensorFlow."""
-    if keras.backend.backend() == "tensorflow":
-        return None
+    """True (do not collect) for a module of another backend than Keras's."""
     relative = os.path.relpath(str(collection_path), _HERE)
     relative = relative.replace(os.sep, "/")
-    if any(fnmatch.fnmatch(relative, p) for p in TENSORFLOW_ONLY_MODULES):
-        return True
+    for name, patterns in _ONLY_MODULES.items():
+        if name != keras.backend.backend() and any(
+            fnmatch.fnmatch(relative, p) for p in patterns
+        ):
+            return True
     return None
