@@ -13,8 +13,9 @@ import pytest
 import kmp
 from kmp import callbacks
 from kmp import mixed_precision
-from kmp import testing
 
+# kmp's classes: `isinstance(x, kmp.<name>)` works on every backend.
+CLASSES = ("FusedAdam", "LossScaleOptimizer", "LowPrecisionOptimizer", "Policy")
 PUBLIC_NAMES = (
     "LossScaleOptimizer",
     "Policy",
@@ -73,7 +74,9 @@ def test_version_is_set():
     assert re.fullmatch(r"\d+\.\d+\.\d+\S*", kmp.__version__)
 
 
+@pytest.mark.tensorflow
 def test_callbacks_and_testing_reexport_the_tools():
+    from kmp import testing
     from kmp.tools import monitor
     from kmp.tools import testing as tools_testing
 
@@ -82,3 +85,19 @@ def test_callbacks_and_testing_reexport_the_tools():
     assert sorted(testing.__all__) == ["GradientFaults", "OverflowAt"]
     assert testing.GradientFaults is tools_testing.GradientFaults
     assert testing.OverflowAt is tools_testing.OverflowAt
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_every_class_is_a_class_on_every_backend(name):
+    cls = getattr(kmp, name)
+    assert isinstance(cls, type)
+    assert not isinstance(object(), cls)
+
+
+@pytest.mark.jax
+@pytest.mark.torch
+def test_fused_adam_off_tensorflow_says_what_to_use():
+    with pytest.raises(RuntimeError) as info:
+        kmp.FusedAdam(0.01)
+    assert "needs Keras's TensorFlow backend" in str(info.value)
+    assert "keras.optimizers.Adam" in str(info.value)
