@@ -22,6 +22,7 @@ import kmp
 from kmp.core.low_precision import LowPrecisionOptimizer
 from kmp.core.rounding import stochastic_round
 from tests.support import backends
+from tests.support import training
 from tests.support.backends import MODES
 
 BF16 = ml_dtypes.bfloat16
@@ -524,6 +525,42 @@ def test_inside_a_loss_scale_optimizer_float16_trains_and_skips_exactly(
         "loss_scale_optimizer/consecutive_skips",
     ]
     assert int(optimizer.skipped_steps) == skipped + 1
+
+
+# JAX's eager kmp step runs the inner update in a compiled cond (see
+# tests.support.training.JAX_EAGER_UPDATE_BUG): jitted, both agree.
+LOOP_MODES = [m for m in MODES if not (backends.JAX and m == "eager")]
+
+
+@pytest.mark.parametrize("mode", LOOP_MODES)
+def test_custom_loops_with_loss_scaling_give_the_same_weights(mode):
+    """The documented loops: `tf.GradientTape`; on JAX `jax.grad` over
+    `stateless_call`, then `stateless_scale_loss`, `stateless_unscale_
+    gradients` and `stateless_apply` in one `jax.jit`; on torch
+    `loss.backward()`. A power-of-two scale changes no gradient, so
+    LossScaleOptimizer(LowPrecisionOptimizer) gives the wrapped one's
+    weights, slots and compensation bit for bit."""
+    x, y = _digits_like()
+    results = []
+    for recipe in ("plain", "contract"):
+        model = _bfloat16_model()
+        low = LowPrecisionOptimizer(keras.optimizers.Adam(1e-2), seed=3)
+        optimizer = low
+        if recipe == "contract":
+            optimizer = kmp.LossScaleOptimizer(
+                low, dynamic=False, initial_scale=16
+            )
+        step = training.loop_step(
+            model, optimizer, _logits_loss(), recipe, mode
+        )
+        for start in range(0, 96, 32):
+            rows = slice(start, start + 32)
+            step(backends.tensor(x[rows]), backends.tensor(y[rows], "int32"))
+        assert int(low.iterations) == 3
+        results.append(_state(model, low))
+    for got, want in zip(*results):
+        np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(results[0][0], _state(_bfloat16_model(), low)[0])
 
 
 # --- Saving and resuming ------------------------------------------------------
