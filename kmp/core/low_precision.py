@@ -374,6 +374,20 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         inner = self._inner_optimizer
         return type(inner)._var_key(inner, variable)
 
+    def load_own_variables(self, store):
+        """Keras's; a seed saved on another backend (one int64 there, two
+        uint32 words on JAX) is read the way this backend keeps it."""
+        position = next(
+            str(i) for i, v in enumerate(self.variables) if v is self._seed
+        )
+        if len(store.keys()) == len(self.variables):
+            saved = store[position]
+            if tuple(saved.shape) != tuple(self._streams.SEED_SHAPE):
+                store = {key: store[key] for key in store.keys()}
+                seed = rounding.seed_of_saved(saved)
+                store[position] = self._streams.seed_value(seed)
+        super().load_own_variables(store)
+
     def get_config(self) -> dict:
         """The settings, with the seed in use (drawn, if None was given)."""
         return {

@@ -18,6 +18,7 @@ inside a Keras variable.
 import importlib
 
 import keras
+import numpy as np
 from keras import ops
 
 from kmp.core import backend
@@ -89,6 +90,20 @@ def stochastic_round(value, dtype, seed):
     1.002
     """
     return round_with_noise(value, dtype, streams().random_bits(seed, value))
+
+
+def seed_of_saved(value) -> int:
+    """The seed a saved seed variable holds, whichever backend saved it:
+    one int64 (TensorFlow, torch) or two uint32 words (JAX).
+
+    >>> seed_of_saved(np.int64(2**40 + 3)), seed_of_saved([256, 3])
+    (1099511627779, 1099511627779)
+    """
+    value = np.asarray(value)
+    if value.shape == ():
+        return int(value)
+    high, low = value.astype("int64").astype("uint32").astype("uint64")
+    return (int(high) << 32) | int(low)
 
 
 class Float32View(keras.Variable):
@@ -167,6 +182,7 @@ __all__ = [
     "dtype_name",
     "is_low",
     "round_with_noise",
+    "seed_of_saved",
     "stochastic_round",
     "streams",
 ]
