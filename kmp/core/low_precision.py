@@ -15,8 +15,9 @@ variable's dtype, rounded by one of:
   `t = (w + c) + update` in float32, `w = round(t)`, `c = round(t - w)`;
 * `"stochastic"`: rounds up with probability equal to the distance from the
   lower neighbour (unbiased on average), from a stateless random stream keyed
-  by (seed, step, variable index): reproducible, identical on every replica,
-  resumable;
+  by (seed, step, variable index): reproducible, identical on every replica
+  and device, resumable (the stream is the backend's: TensorFlow's Philox,
+  `jax.random`, a counter-based hash on torch);
 * `"nearest"`: rounds to nearest once, after the float32 update.
 
 `slot_dtype="bfloat16"` keeps the inner optimizer's slots (Adam's moments,
@@ -28,9 +29,10 @@ bit for bit.
 The mechanism, the same on every backend: the inner optimizer's own
 `_backend_update_step` runs (its per-step work included), but each
 variable's `update_step` gets a float32 stand-in for it
-(`kmp.core.rounding.Float32View`): it reads as `w + c` in float32, records
-what is assigned, and leads the inner optimizer to the variable's slots; the
-stand-in's value is then rounded into the variable. Nothing float32 the size
+(`kmp.core.rounding.Float32View`; TensorFlow's is in `tf_rounding`): it
+reads as `w + c` in float32, records what is assigned, and leads the inner
+optimizer to the variable's slots; the stand-in's value is then rounded
+into the variable. Nothing float32 the size
 of a weight outlives the step. What each backend adds is in a module named
 after it: on TensorFlow (`kmp.core.tf_low_precision`) `tf.distribute`'s
 per-replica updates, and XLA for variables of 2**16 elements or more, so no
@@ -156,8 +158,8 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
 
     Args:
         inner_optimizer: The Keras optimizer whose update is applied (any
-            built-in one, or `kmp.FusedAdam`, which then runs Keras's Adam
-            update); not built yet, without `use_ema`,
+            built-in one, or `kmp.FusedAdam` on TensorFlow, which then runs
+            Keras's Adam update); not built yet, without `use_ema`,
             `gradient_accumulation_steps` or `loss_scale_factor`.
         rounding: `"kahan"` (default), `"stochastic"` or `"nearest"`: how a
             float32 result is written to a bfloat16 or float16 variable.
