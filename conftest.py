@@ -19,8 +19,6 @@ import keras  # noqa: E402
 TENSORFLOW_ONLY_MODULES = (
     "kmp/*/tf_*.py",
     "kmp/core/fused.py",
-    "kmp/core/low_precision.py",
-    "kmp/core/rounding.py",
     "kmp/patches/dense.py",
     "kmp/patches/mean.py",
     "kmp/tools/bench.py",

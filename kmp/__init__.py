@@ -8,6 +8,7 @@ from kmp import callbacks
 from kmp import mixed_precision
 from kmp import patches
 from kmp.core import backend as _backend
+from kmp.core.low_precision import LowPrecisionOptimizer
 from kmp.core.optimizer import LossScaleOptimizer
 from kmp.core.policy import Policy
 from kmp.core.policy import global_policy
@@ -20,15 +21,11 @@ from kmp.tools.summary import summary
 
 if _backend.is_tensorflow():
     from kmp.core.fused import FusedAdam
-    from kmp.core.low_precision import LowPrecisionOptimizer
 else:
-    FusedAdam = _backend.tensorflow_only(
+    FusedAdam = _backend.tensorflow_only_class(
         "kmp.FusedAdam",
         "Use keras.optimizers.Adam: under jit (JAX) or torch.compile its "
         "update is fused already.",
-    )
-    LowPrecisionOptimizer = _backend.tensorflow_only(
-        "kmp.LowPrecisionOptimizer"
     )
 
 __version__ = "0.2.0"

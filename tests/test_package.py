@@ -15,6 +15,8 @@ from kmp import callbacks
 from kmp import mixed_precision
 from kmp import testing
 
+# kmp's classes: `isinstance(x, kmp.<name>)` works on every backend.
+CLASSES = ("FusedAdam", "LossScaleOptimizer", "LowPrecisionOptimizer", "Policy")
 PUBLIC_NAMES = (
     "LossScaleOptimizer",
     "Policy",
@@ -100,3 +102,19 @@ def test_tool_classes_are_classes_on_every_backend(module, name):
     cls = getattr(module, name)
     assert isinstance(cls, type)
     assert not isinstance(object(), cls)
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_every_class_is_a_class_on_every_backend(name):
+    cls = getattr(kmp, name)
+    assert isinstance(cls, type)
+    assert not isinstance(object(), cls)
+
+
+@pytest.mark.jax
+@pytest.mark.torch
+def test_fused_adam_off_tensorflow_says_what_to_use():
+    with pytest.raises(RuntimeError) as info:
+        kmp.FusedAdam(0.01)
+    assert "needs Keras's TensorFlow backend" in str(info.value)
+    assert "keras.optimizers.Adam" in str(info.value)

@@ -93,19 +93,47 @@ def tensorflow_version():
     return version_tuple(tensorflow().__version__)
 
 
-def tensorflow_only(what: str, alternative: str = ""):
-    """A stand-in for a TensorFlow-only kmp name on another backend.
+def _unavailable_error(what: str, alternative: str) -> RuntimeError:
+    return RuntimeError(
+        f"{what} needs Keras's TensorFlow backend; Keras runs on "
+        f"{name()!r}. {alternative}".strip()
+    )
 
-    Calling it (or creating it, for a class) raises a RuntimeError that says
-    so, at the user's call.
+
+def tensorflow_only(what: str, alternative: str = ""):
+    """A stand-in for a TensorFlow-only kmp function on another backend.
+
+    Calling it raises a RuntimeError that says so, at the user's call.
     """
 
     def unavailable(*args, **kwargs):
-        raise RuntimeError(
-            f"{what} needs Keras's TensorFlow backend; Keras runs on "
-            f"{name()!r}. {alternative}".strip()
-        )
+        raise _unavailable_error(what, alternative)
 
     unavailable.__name__ = what.rsplit(".", 1)[-1]
     unavailable.__doc__ = f"{what}: TensorFlow backend only."
     return unavailable
+
+
+def tensorflow_only_class(what: str, alternative: str = "") -> type:
+    """A stand-in for a TensorFlow-only kmp class on another backend.
+
+    A class, so `isinstance(x, kmp.Name)` works (and is False) everywhere;
+    creating one raises a RuntimeError that says what to use instead.
+
+    >>> Fast = tensorflow_only_class("kmp.Fast", "Use keras.layers.Dense.")
+    >>> isinstance(1, Fast)
+    False
+    """
+
+    def __new__(cls, *args, **kwargs):
+        raise _unavailable_error(what, alternative)
+
+    return type(
+        what.rsplit(".", 1)[-1],
+        (),
+        {
+            "__new__": __new__,
+            "__doc__": f"{what}: TensorFlow backend only. {alternative}",
+            "__module__": what.rsplit(".", 1)[0],
+        },
+    )

@@ -15,8 +15,9 @@ variable's dtype, rounded by one of:
   `t = (w + c) + update` in float32, `w = round(t)`, `c = round(t - w)`;
 * `"stochastic"`: rounds up with probability equal to the distance from the
   lower neighbour (unbiased on average), from a stateless random stream keyed
-  by (seed, step, variable index): reproducible, identical on every replica,
-  resumable;
+  by (seed, step, variable index): reproducible, identical on every replica
+  and device, resumable (the stream is the backend's: TensorFlow's Philox,
+  `jax.random`, a counter-based hash on torch);
 * `"nearest"`: rounds to nearest once, after the float32 update.
 
 `slot_dtype="bfloat16"` keeps the inner optimizer's slots (Adam's moments,
@@ -25,13 +26,20 @@ momentum) in bfloat16 while its arithmetic stays float32, for float32
 with them and the default `slot_dtype`, results are the inner optimizer's,
 bit for bit.
 
-The mechanism: the inner optimizer's own `_backend_update_step` runs (its
-per-step work and `tf.distribute` updates included), but each variable's
-`update_step` gets a float32 stand-in for it: it reads as `w + c` in float32,
-records what is assigned, and carries the variable's slot lookup key; the
-stand-in's value is then rounded into the variable. Nothing float32 the size
-of a weight outlives the step, and for variables of 2**16 elements or more the
-update is compiled with XLA, so no float32 temporaries are made at all.
+The mechanism, the same on every backend: the inner optimizer's own
+`_backend_update_step` runs (its per-step work included), but each
+variable's `update_step` gets a float32 stand-in for it
+(`kmp.core.rounding.Float32View`; TensorFlow's is in `tf_rounding`): it
+reads as `w + c` in float32, records what is assigned, and leads the inner
+optimizer to the variable's slots; the stand-in's value is then rounded
+into the variable. Nothing float32 the size
+of a weight outlives the step. What each backend adds is in a module named
+after it: on TensorFlow (`kmp.core.tf_low_precision`) `tf.distribute`'s
+per-replica updates, and XLA for variables of 2**16 elements or more, so no
+float32 temporaries are made at all; on torch (`torch_low_precision`)
+Keras's fused (`torch._foreach`) update where no variable needs rounding.
+On JAX the whole update is pure, so `stateless_apply` (which `fit` and a
+jitted loop call) works as for any Keras optimizer.
 
 Limits: the compensation buffer has 8 significant bits too, so Kahan follows
 float32 within a fraction of an ulp for varying updates but drifts by a few
@@ -51,19 +59,20 @@ Example:
 ('bfloat16', True)
 >>> [(tuple(v.shape), v.dtype) for v in optimizer.variables if "comp" in v.name]
 [((4, 2), 'bfloat16'), ((2,), 'bfloat16')]
->>> sorted({v.dtype for v in optimizer.inner_optimizer.variables})
-['bfloat16', 'float32', 'int64']
+>>> inner_variables = optimizer.inner_optimizer.variables
+>>> sorted({v.dtype for v in inner_variables if "float" in v.dtype})
+['bfloat16', 'float32']
 """
 
-import contextlib
-import functools
+import importlib
 import numbers
 import random
-import threading
 
 import keras
-import tensorflow as tf
+from keras import ops
 
+from kmp.core import backend
+from kmp.core import borrow
 from kmp.core import checks
 from kmp.core import optimizer_arguments
 from kmp.core import rounding
@@ -71,6 +80,12 @@ from kmp.core import rounding
 ROUNDINGS = ("kahan", "stochastic", "nearest")
 SLOT_DTYPES = ("bfloat16", "float16", "float32")
 _MAX_SEED = 2**63 - 1
+# Not supported with the inner optimizer, and why: what `convert` says too.
+UNSUPPORTED_INNER_OPTIONS = (
+    ("use_ema", "the average would round like the weights"),
+    ("gradient_accumulation_steps", "the sums would round too"),
+    ("loss_scale_factor", "wrap in kmp.LossScaleOptimizer instead"),
+)
 
 
 def _refuse(error, argument, allowed, value):
@@ -93,11 +108,7 @@ def _check_arguments(inner, rounding, slot_dtype, seed):
     if not isinstance(inner, keras.optimizers.Optimizer):
         allowed = "a Keras optimizer instance, such as keras.optimizers.Adam()"
         _refuse(TypeError, "inner_optimizer", allowed, inner)
-    for attribute, why in (
-        ("use_ema", "the average would round like the weights"),
-        ("gradient_accumulation_steps", "the sums would round too"),
-        ("loss_scale_factor", "wrap in kmp.LossScaleOptimizer instead"),
-    ):
+    for attribute, why in UNSUPPORTED_INNER_OPTIONS:
         if getattr(inner, attribute, None):
             allowed = f"unset in 'inner_optimizer' ({why})"
             _refuse(ValueError, attribute, allowed, getattr(inner, attribute))
@@ -116,6 +127,12 @@ def _check_arguments(inner, rounding, slot_dtype, seed):
             _refuse(TypeError, argument, allowed, value)
         if value not in choices:
             _refuse(ValueError, argument, allowed, value)
+    check_seed(seed)
+
+
+def check_seed(seed) -> None:
+    """Refuses a seed that is not None or an integer in [0, 2**63 - 1]
+    (NumPy's integers are integers)."""
     allowed = "None or an integer in [0, 2**63 - 1]"
     if seed is not None and (
         isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
@@ -129,18 +146,21 @@ def _check_arguments(inner, rounding, slot_dtype, seed):
 class LowPrecisionOptimizer(keras.optimizers.Optimizer):
     """Wraps a Keras optimizer: float32 updates of low-precision variables.
 
-    See the module docstring for what each `rounding` does. Works in `fit`
-    and custom loops, eagerly, in `tf.function`, under XLA and
-    `MirroredStrategy` (every replica rounds identically), and inside
-    `kmp.LossScaleOptimizer` for float16 variables. Its compensation buffers
-    and seed are in `variables` and in checkpoints; the stochastic stream
-    follows the inner optimizer's `iterations`, so a resumed run is
-    bit-identical to an uninterrupted one.
+    See the module docstring for what each `rounding` does. Works on
+    Keras's TensorFlow, JAX and torch backends: in `fit` and custom loops
+    (eagerly, in `tf.function`, under XLA, in a jitted JAX loop over
+    `stateless_apply`, in a torch loop after `backward()`), under
+    `tf.distribute.MirroredStrategy` and `keras.distribution.DataParallel`
+    (every replica rounds identically), and inside `kmp.LossScaleOptimizer`
+    for float16 variables. Its compensation buffers and seed are in
+    `variables`, so in `.keras` files and checkpoints, and the seed in its
+    config; the stochastic stream follows the inner optimizer's
+    `iterations`, so a resumed run is bit-identical to an uninterrupted one.
 
     Args:
         inner_optimizer: The Keras optimizer whose update is applied (any
-            built-in one, or `kmp.FusedAdam`, which then runs Keras's Adam
-            update); not built yet, without `use_ema`,
+            built-in one, or `kmp.FusedAdam` on TensorFlow, which then runs
+            Keras's Adam update); not built yet, without `use_ema`,
             `gradient_accumulation_steps` or `loss_scale_factor`.
         rounding: `"kahan"` (default), `"stochastic"` or `"nearest"`: how a
             float32 result is written to a bfloat16 or float16 variable.
@@ -150,8 +170,9 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             each variable's own dtype, as Keras does. Not float16 for
             Adam-like optimizers: a squared gradient underflows there
             (use `"bfloat16"` with float16 variables).
-        seed: The stochastic-rounding seed, an integer; None draws one from
-            Python's `random` (seeded by `keras.utils.set_random_seed`).
+        seed: The stochastic-rounding seed, an integer in [0, 2**63 - 1]
+            (NumPy's too); None draws one from Python's `random` (seeded by
+            `keras.utils.set_random_seed`), which the config then holds.
         name: The optimizer's name.
 
     Raises:
@@ -169,16 +190,18 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         seed=None,
         name=None,
     ):
+        backend.check_supported("kmp.LowPrecisionOptimizer")
         _check_arguments(inner_optimizer, rounding, slot_dtype, seed)
         super().__init__(learning_rate=0.0, name=name)
         self._inner_optimizer = inner_optimizer
         self._rounding = rounding
         self._slot_dtype = slot_dtype
-        self._seed_argument = seed
+        self._streams = _streams()
+        seed = random.getrandbits(62) if seed is None else int(seed)
         with keras.name_scope(self.name, caller=self):
             self._seed = keras.Variable(
-                random.getrandbits(62) if seed is None else seed,
-                dtype="int64",
+                self._streams.seed_value(seed),
+                dtype=self._streams.SEED_DTYPE,
                 trainable=False,
                 aggregation="only_first_replica",
                 name="seed",
@@ -201,9 +224,9 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         return self._slot_dtype
 
     @property
-    def seed(self) -> tf.Tensor:
-        """The stochastic-rounding seed in use (an int64 scalar tensor)."""
-        return tf.convert_to_tensor(self._seed)
+    def seed(self) -> int:
+        """The stochastic-rounding seed in use (a Python int)."""
+        return self._streams.seed_of(ops.convert_to_numpy(self._seed))
 
     @property
     def iterations(self):
@@ -240,8 +263,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         kahan = self._rounding == "kahan"
         self._compensations = [
             self.add_variable_from_reference(variable, "compensation")
-            if kahan
-            and _standard(variable.dtype) in rounding.LOW_PRECISION_BITS
+            if kahan and rounding.is_low(variable.dtype)
             else None
             for variable in var_list
         ]
@@ -255,15 +277,12 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         original = inner.add_variable
 
         def add_variable(shape, initializer="zeros", dtype=None, **kwargs):
-            if dtype is None or tf.as_dtype(_standard(dtype)).is_floating:
+            if dtype is None or keras.backend.is_float_dtype(dtype):
                 dtype = slot_dtype
             return original(shape, initializer, dtype, **kwargs)
 
-        inner.add_variable = add_variable
-        try:
+        with borrow.lent(inner, add_variable=add_variable):
             inner.build(var_list)
-        finally:
-            del inner.add_variable
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
@@ -292,61 +311,33 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
                 )
             )
             if grads:
-                grads = inner._clip_gradients(grads)
-                # Summed here, where kmp.LossScaleOptimizer can turn it off.
-                pairs = self._all_reduce_sum_gradients(
-                    list(zip(grads, variables))
-                )
-                with _routed_through(self):
-                    inner._backend_update_step(
-                        [g for g, _ in pairs],
-                        [v for _, v in pairs],
-                        inner.learning_rate,
-                    )
+                grads = clip_gradients(inner, grads)
+                _backend_steps().apply_update(self, grads, variables)
             inner._iterations.assign_add(1)
 
     def _update_step(self, gradient, variable, learning_rate):
         """The inner optimizer's `update_step`, in float32, then rounded.
 
-        Called for each variable by the inner optimizer's own
-        `_backend_update_step` (Nadam's per-step work and `tf.distribute`'s
-        per-device updates included), in place of its `update_step`.
+        Lent to the inner optimizer as its `update_step` for a step: its
+        own `_backend_update_step` calls it for each variable (Nadam's
+        per-step work and `tf.distribute`'s per-device updates included).
         """
         index = self._get_variable_index(variable)
-        size = variable.shape.num_elements() or 0
-        low = (
-            _standard(variable.dtype) in rounding.LOW_PRECISION_BITS
-            or self._slot_dtype in rounding.LOW_PRECISION_BITS
-        )
-        if not low or size < _COMPILE_MIN_ELEMENTS:
-            return self._update_one(gradient, learning_rate, variable, index)
-        # Compiled with XLA, the float32 arithmetic on low-precision state is
-        # fused: no float32 temporaries the size of the variable (on the
-        # 20M-parameter MLP, 220 MB of them at the step's peak).
-        key = (index, id(variable))
-        if key not in self._compiled:
-            self._compiled[key] = tf.function(
-                functools.partial(
-                    self._update_one, variable=variable, index=index
-                ),
-                jit_compile=True,
-                autograph=False,
-            )
-        self._compiled[key](
-            gradient, tf.cast(tf.convert_to_tensor(learning_rate), tf.float32)
+        _backend_steps().update_variable(
+            self, gradient, learning_rate, variable, index
         )
 
     def _update_one(self, gradient, learning_rate, variable, index):
         inner = self._inner_optimizer
         model_variable = self._trainable_variables[index]
-        low = _standard(variable.dtype) in rounding.LOW_PRECISION_BITS
+        low = rounding.is_low(variable.dtype)
         compensation = self._compensations[index]
-        view = rounding.Float32View(
+        view = _backend_steps().view(
+            self,
             variable,
             model_variable,
-            None if compensation is None else compensation.value,
-            inner._var_key(variable),
-            "float32" if low else _standard(variable.dtype),
+            compensation,
+            "float32" if low else rounding.dtype_name(variable.dtype),
         )
         self._decay(view, model_variable, learning_rate)
         type(inner).update_step(inner, gradient, view, learning_rate)
@@ -359,23 +350,18 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         if not low:
             self.assign(variable, value)
         elif self._rounding == "stochastic":
-            seed = tf.stack(
-                [
-                    tf.convert_to_tensor(self._seed),
-                    tf.cast(tf.convert_to_tensor(inner._iterations), tf.int64),
-                ]
-            )
-            seed = tf.random.experimental.stateless_fold_in(
-                seed, index, alg="philox"
+            seed = self._streams.step_seed(
+                self._seed.value, inner._iterations.value, index
             )
             self.assign(
-                variable, rounding.stochastic_round(value, variable.dtype, seed)
+                variable,
+                rounding.stochastic_round(value, variable.dtype, seed),
             )
         else:
-            rounded = tf.cast(value, variable.dtype)
+            rounded = ops.cast(value, variable.dtype)
             self.assign(variable, rounded)
             if compensation is not None:
-                remainder = value - tf.cast(rounded, tf.float32)
+                remainder = value - ops.cast(rounded, "float32")
                 self.assign(compensation, remainder)
 
     def _decay(self, view, model_variable, learning_rate):
@@ -387,11 +373,34 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         elif inner.weight_decay is not None and inner._use_weight_decay(
             model_variable
         ):
-            decay = tf.cast(inner.weight_decay, view.dtype)
-            rate = tf.cast(learning_rate, view.dtype)
+            decay = ops.cast(inner.weight_decay, view.dtype)
+            rate = ops.cast(learning_rate, view.dtype)
             view.assign_sub(view.value * decay * rate)
 
+    def _inner_var_key(self, variable):
+        """The inner optimizer's `_var_key`, which finds a view's slots
+        (lent to it for a step where keys are object ids: JAX, torch)."""
+        if isinstance(variable, rounding.Float32View):
+            variable = variable.variable
+        inner = self._inner_optimizer
+        return type(inner)._var_key(inner, variable)
+
+    def load_own_variables(self, store):
+        """Keras's; a seed saved on another backend (one int64 there, two
+        uint32 words on JAX) is read the way this backend keeps it."""
+        position = next(
+            str(i) for i, v in enumerate(self.variables) if v is self._seed
+        )
+        if len(store.keys()) == len(self.variables):
+            saved = store[position]
+            if tuple(saved.shape) != tuple(self._streams.SEED_SHAPE):
+                store = {key: store[key] for key in store.keys()}
+                seed = rounding.seed_of_saved(saved)
+                store[position] = self._streams.seed_value(seed)
+        super().load_own_variables(store)
+
     def get_config(self) -> dict:
+        """The settings, with the seed in use (drawn, if None was given)."""
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(
@@ -399,7 +408,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             ),
             "rounding": self._rounding,
             "slot_dtype": self._slot_dtype,
-            "seed": self._seed_argument,
+            "seed": self.seed,
         }
 
     @classmethod
@@ -418,42 +427,69 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
 
 
 _KERAS_WEIGHT_DECAY = keras.optimizers.Optimizer._apply_weight_decay
-# Smaller variables' temporaries are small; compiling each would cost more.
-_COMPILE_MIN_ELEMENTS = 2**16
-_routing_lock = threading.Lock()
-_routing_depth = {}
 
 
-@contextlib.contextmanager
-def _routed_through(wrapper):
-    """Makes the inner optimizer's `update_step` the wrapper's, for a while.
+def clip_gradients(inner, grads):
+    """`inner`'s clipping; a global norm of gradients of several dtypes
+    (bfloat16 layers and a float32 output layer) is taken in float32.
 
-    The inner optimizer applies the gradients the wrapper already summed
-    over replicas, as they are. Replica threads enter this together, hence
-    the count.
+    Keras's global norm adds the squared norms of all gradients, which it
+    cannot do across dtypes; there the gradients go on in float32, which
+    the float32 update reads anyway. Gradients of one dtype are clipped by
+    Keras as they are.
     """
-    inner = wrapper._inner_optimizer
-    key = id(inner)
-    with _routing_lock:
-        depth = _routing_depth.get(key, 0)
-        if depth == 0:
-            inner.update_step = wrapper._update_step
-            inner._all_reduce_sum_gradients = list
-        _routing_depth[key] = depth + 1
-    try:
-        yield
-    finally:
-        with _routing_lock:
-            _routing_depth[key] -= 1
-            if _routing_depth[key] == 0:
-                del _routing_depth[key]
-                del inner.update_step
-                del inner._all_reduce_sum_gradients
+    if not inner.global_clipnorm:
+        return inner._clip_gradients(grads)
+    dtypes = {rounding.dtype_name(g.dtype) for g in grads if g is not None}
+    if len(dtypes) > 1:
+        wide = keras.backend.result_type(*dtypes, "float32")
+        grads = [g if g is None else ops.cast(g, wide) for g in grads]
+    return inner._clip_gradients(grads)
 
 
-def _is_low(dtype) -> bool:
-    return dtype is not None and _standard(dtype) in rounding.LOW_PRECISION_BITS
+def routed_update(optimizer, grads, variables, backend_update_step):
+    """Runs `backend_update_step` (the inner optimizer's, or a form of it)
+    with its `update_step` lent by `optimizer` (JAX, torch)."""
+    inner = optimizer.inner_optimizer
+    with borrow.lent(
+        inner,
+        update_step=optimizer._update_step,
+        _var_key=optimizer._inner_var_key,
+    ):
+        backend_update_step(grads, variables, inner.learning_rate)
 
 
-def _standard(dtype) -> str:
-    return tf.as_dtype(dtype).name
+# How a step is applied on JAX, where nothing more is needed; TensorFlow's
+# and torch's are in `kmp.core.tf_low_precision` and `torch_low_precision`.
+
+
+def apply_update(optimizer, grads, variables):
+    """Applies the (clipped) gradients: the inner optimizer's own step."""
+    inner = optimizer.inner_optimizer
+    routed_update(optimizer, grads, variables, inner._backend_update_step)
+
+
+def update_variable(optimizer, gradient, learning_rate, variable, index):
+    """One variable's update (`LowPrecisionOptimizer._update_step`)."""
+    optimizer._update_one(gradient, learning_rate, variable, index)
+
+
+def view(optimizer, variable, model_variable, compensation, dtype):
+    """The float32 stand-in for `variable` in the inner `update_step`."""
+    return rounding.Float32View(model_variable, compensation, dtype)
+
+
+_STEP_MODULES = {
+    "tensorflow": "kmp.core.tf_low_precision",
+    "jax": __name__,
+    "torch": "kmp.core.torch_low_precision",
+}
+
+
+def _backend_steps():
+    """This backend's `apply_update`, `update_variable` and `view`."""
+    return importlib.import_module(_STEP_MODULES[backend.name()])
+
+
+def _streams():
+    return rounding.streams()

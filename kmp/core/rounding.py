@@ -1,144 +1,188 @@
 """Float32 arithmetic on low-precision variables, and rounding it back.
 
-`Float32View` stands in for a bfloat16 (or float16) variable inside an
-optimizer's `update_step`: it reads as the variable plus its compensation in
-float32 and records what is assigned. `stochastic_round` rounds float32 to
-bfloat16 or float16 without bias, from a stateless random stream.
-`kmp.core.low_precision.LowPrecisionOptimizer` uses both.
+`stochastic_round` rounds float32 to bfloat16 or float16 without bias, from
+a counter-based random stream keyed by a two-word seed: the same seed gives
+the same rounding on every device and in every run. `Float32View` stands in
+for a bfloat16 (or float16) variable inside an optimizer's `update_step`: it
+reads as the variable plus its compensation in float32 and records what is
+assigned. `kmp.core.low_precision.LowPrecisionOptimizer` uses both.
+
+The arithmetic is written once, in `keras.ops`. What differs per backend is
+the random stream and how a seed is stored (`kmp.core.tf_rounding`:
+TensorFlow's stateless Philox; `jax_rounding`: `jax.random`, which has no
+int64 without x64; `torch_rounding`: a counter-based hash), and on
+TensorFlow the view itself, whose optimizers assign to the `tf.Variable`
+inside a Keras variable.
 """
 
+import importlib
+
 import keras
-import tensorflow as tf
+import numpy as np
+from keras import ops
 
 from kmp.core import backend
-
-backend.tensorflow()  # TensorFlow backend only.
 
 LOW_PRECISION_BITS = {
     "bfloat16": 16,
     "float16": 13,
 }  # float32 significand bits dropped.
+NOISE_BITS = 16  # Random bits per element, enough for both.
+
+
+def dtype_name(dtype) -> str:
+    """`"bfloat16"` for any spelling of a dtype (`tf.bfloat16` too)."""
+    return keras.backend.standardize_dtype(dtype)
+
+
+def is_low(dtype) -> bool:
+    """Whether `dtype` is bfloat16 or float16 (None is not)."""
+    return dtype is not None and dtype_name(dtype) in LOW_PRECISION_BITS
+
+
+def streams():
+    """The backend's module of random streams and seeds (see above)."""
+    return importlib.import_module(f"kmp.core.{_PREFIXES[backend.name()]}")
+
+
+_PREFIXES = {
+    "tensorflow": "tf_rounding",
+    "jax": "jax_rounding",
+    "torch": "torch_rounding",
+}
+
+
+def round_with_noise(value, dtype, noise):
+    """Rounds float32 `value` to `dtype`, adding `noise` below its last bit.
+
+    `noise` holds `NOISE_BITS` uniform random bits per element (an int32
+    tensor shaped like `value`, in [0, 2**16)). Its top bits are added to
+    the bits `dtype` drops, then those are cleared: a value rounds away
+    from zero with probability equal to its distance from the neighbour
+    towards zero, in units of the gap between them, so the result is
+    unbiased. Infinities, NaN and representable values stay as they are.
+    The bits are added as int32, which wraps like the uint32 they are.
+    """
+    drop = LOW_PRECISION_BITS[dtype_name(dtype)]
+    bits = ops.view(ops.cast(value, "float32"), "int32")
+    noise = ops.right_shift(noise, NOISE_BITS - drop)
+    mask = -(1 << drop)  # ~(2**drop - 1) as an int32.
+    bits = ops.bitwise_and(ops.add(bits, noise), mask)
+    return ops.cast(ops.view(bits, "float32"), dtype)
 
 
 def stochastic_round(value, dtype, seed):
     """Rounds float32 `value` to `dtype` (bfloat16 or float16), stochastically.
 
-    Uniform random bits are added below the last bit `dtype` keeps, then
-    truncated: a value rounds away from zero with probability equal to its
-    distance from the neighbour towards zero, in units of the gap between
-    them, so the result is unbiased. `seed` is a shape-[2] integer tensor;
-    the same seed gives the same rounding everywhere (Philox, stateless).
-    For float16, values in its subnormal range round to nearest.
+    A value rounds away from zero with probability equal to its distance
+    from the neighbour towards zero, in units of the gap between them, so
+    the result is unbiased. `seed` is two integers (a shape-[2] tensor or a
+    list); the same seed gives the same rounding everywhere (a stateless,
+    counter-based stream). For float16, values in its subnormal range round
+    to nearest.
 
-    >>> x = tf.fill([4000], 1.0 + 2.0**-9)  # A quarter between neighbours.
-    >>> r = stochastic_round(x, "bfloat16", tf.constant([1, 2]))
-    >>> sorted(set(r.numpy().astype(float).tolist()))
+    >>> x = keras.ops.full([4000], 1.0 + 2.0**-9)  # A quarter between.
+    >>> r = stochastic_round(x, "bfloat16", [1, 2])
+    >>> r = keras.ops.convert_to_numpy(keras.ops.cast(r, "float32"))
+    >>> sorted(set(r.tolist()))
     [1.0, 1.0078125]
-    >>> round(float(tf.reduce_mean(tf.cast(r, tf.float32))), 3)
+    >>> round(float(r.mean()), 3)
     1.002
     """
-    drop = LOW_PRECISION_BITS[tf.as_dtype(dtype).name]
-    bits = tf.bitcast(tf.cast(value, tf.float32), tf.uint32)
-    # 16 random bits are enough: each 32-bit draw serves two elements.
-    size = tf.size(bits)
-    noise = tf.random.stateless_uniform(
-        [(size + 1) // 2], seed, None, None, tf.uint32, alg="philox"
-    )
-    noise = tf.reshape(tf.bitcast(noise, tf.uint16), [-1])[:size]
-    noise = tf.bitwise.right_shift(
-        tf.reshape(tf.cast(noise, tf.uint32), tf.shape(bits)),
-        tf.constant(16 - drop, tf.uint32),
-    )
-    mask = tf.constant(~((1 << drop) - 1) & 0xFFFFFFFF, tf.uint32)
-    bits = tf.bitwise.bitwise_and(bits + noise, mask)
-    return tf.cast(tf.bitcast(bits, tf.float32), dtype)
+    return round_with_noise(value, dtype, streams().random_bits(seed, value))
 
 
-class Float32View:
+def seed_of_saved(value) -> int:
+    """The seed a saved seed variable holds, whichever backend saved it:
+    one int64 (TensorFlow, torch) or two uint32 words (JAX).
+
+    >>> seed_of_saved(np.int64(2**40 + 3)), seed_of_saved([256, 3])
+    (1099511627779, 1099511627779)
+    """
+    value = np.asarray(value)
+    if value.shape == ():
+        return int(value)
+    high, low = value.astype("int64").astype("uint32").astype("uint64")
+    return (int(high) << 32) | int(low)
+
+
+class Float32View(keras.Variable):
     """A variable's float32 stand-in for one call of an `update_step`.
 
-    Reads as the variable (plus its compensation) in float32, computed once;
-    assignments replace that value, in float32, and touch no variable.
-    `_unique_id` is the variable's slot key (what `Optimizer._var_key` gives).
+    On JAX and torch (TensorFlow has `kmp.core.tf_rounding.Float32View`).
+    A Keras variable to the optimizer, whose operations read `.value`, but
+    without storage of its own: it reads as `variable` plus `compensation`
+    in `dtype`, computed once, and assignments replace that value and touch
+    no variable. The optimizer finds the variable's slots through
+    `variable` (`LowPrecisionOptimizer` lends it a `_var_key` that does).
     """
 
-    __array_ufunc__ = None  # NumPy defers to the reflected operators.
-
-    def __init__(self, variable, model_variable, compensation, key, dtype):
-        self._variable = variable
+    def __init__(self, variable, compensation, dtype):
+        # Not Variable.__init__: nothing is allocated, tracked or traced.
+        self.variable = variable
         self._compensation = compensation
-        self._unique_id = key
-        self.dtype = dtype
-        self.shape = model_variable.shape
-        self.name = model_variable.name
-        self.path = model_variable.path
-        self._value = None
-        self.written = False
+        self._dtype = dtype
+        self._shape = tuple(variable.shape)
+        self._name = variable.name
+        self._path = variable.path
+        self._autocast = False
+        self._trainable = variable.trainable
+        self._constraint = None
+        self._regularizer = None
+        self._overwrite_with_gradient = False
+        self._now = None
+        self._written = False
 
     @property
     def value(self):
-        if self._value is None:
-            value = tf.cast(tf.convert_to_tensor(self._variable), self.dtype)
+        if self._now is None:
+            value = ops.cast(self.variable.value, self._dtype)
             if self._compensation is not None:
-                compensation = tf.convert_to_tensor(self._compensation)
-                value += tf.cast(compensation, self.dtype)
-            self._value = value
-        return self._value
+                compensation = self._compensation.value
+                value = ops.add(value, ops.cast(compensation, self._dtype))
+            self._now = value
+            self._read_version = _version(value)
+        return self._now
+
+    @property
+    def written(self) -> bool:
+        """Whether the update assigned to it (or, on torch, wrote in place)."""
+        if self._written:
+            return True
+        return self._now is not None and (
+            _version(self._now) != self._read_version
+        )
 
     def assign(self, value):
-        self._value = tf.cast(value, self.dtype)
-        self.written = True
+        self._now = ops.cast(value, self._dtype)
+        self._written = True
+        return self._now
 
     def assign_add(self, value):
-        self.assign(self.value + tf.cast(value, self.dtype))
+        return self.assign(ops.add(self.value, value))
 
     def assign_sub(self, value):
-        self.assign(self.value - tf.cast(value, self.dtype))
+        return self.assign(ops.subtract(self.value, value))
 
-    def scatter_update(self, slices):
-        indices = tf.expand_dims(slices.indices, -1)
-        self.assign(
-            tf.tensor_scatter_nd_update(self.value, indices, slices.values)
-        )
+    def numpy(self):
+        return ops.convert_to_numpy(self.value)
 
-    def scatter_add(self, slices):
-        indices = tf.expand_dims(slices.indices, -1)
-        self.assign(
-            tf.tensor_scatter_nd_add(self.value, indices, slices.values)
-        )
-
-    def scatter_sub(self, slices):
-        indices = tf.expand_dims(slices.indices, -1)
-        self.assign(
-            tf.tensor_scatter_nd_sub(self.value, indices, slices.values)
-        )
-
-    def __tf_tensor__(self, dtype=None, name=None):
-        return tf.convert_to_tensor(self.value, dtype=dtype, name=name)
-
-    def __neg__(self):
-        return -self.value
-
-    def __getitem__(self, index):
-        return self.value[index]
+    def __repr__(self):
+        return f"<Float32View of {self._path}, dtype={self._dtype}>"
 
 
-def _operator(function, reflected):
-    def method(self, other):
-        if reflected:
-            return function(other, self.value)
-        return function(self.value, other)
-
-    return method
+def _version(tensor):
+    """torch's count of in-place writes to `tensor`; None elsewhere."""
+    return getattr(tensor, "_version", None)
 
 
-for _name, _function in {
-    "add": keras.ops.add,
-    "sub": keras.ops.subtract,
-    "mul": keras.ops.multiply,
-    "truediv": keras.ops.divide,
-    "pow": keras.ops.power,
-    "matmul": keras.ops.matmul,
-}.items():
-    setattr(Float32View, f"__{_name}__", _operator(_function, False))
-    setattr(Float32View, f"__r{_name}__", _operator(_function, True))
+__all__ = [
+    "Float32View",
+    "LOW_PRECISION_BITS",
+    "dtype_name",
+    "is_low",
+    "round_with_noise",
+    "seed_of_saved",
+    "stochastic_round",
+    "streams",
+]

@@ -12,15 +12,13 @@ Two things only TensorFlow needs:
   the whole update waits for the check, in a cond.
 """
 
-import contextlib
-import threading
-
 import keras
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import control_flow_util_v2
 
 from kmp.core import backend
+from kmp.core import borrow
 
 tf = backend.tensorflow()
 
@@ -229,32 +227,15 @@ def nested_optimizers(optimizer) -> list:
     return found
 
 
-_aggregation_lock = threading.Lock()
-_aggregation_depth = {}
-
-
-@contextlib.contextmanager
 def without_gradient_aggregation(optimizer):
     """Keeps `optimizer` and those inside it from summing gradients again.
 
     The loss-scale optimizer sums the gradients across replicas itself,
     before deciding whether the step is finite; the inner optimizers must
-    then apply them as they are. Replica threads enter this together, hence
-    the count.
+    then apply them as they are. A context manager; the attribute is lent
+    through `kmp.core.borrow`, which wrappers inside (such as
+    `kmp.LowPrecisionOptimizer`) share, and replica threads enter together.
     """
-    optimizers = nested_optimizers(optimizer)
-    with _aggregation_lock:
-        for each in optimizers:
-            depth = _aggregation_depth.get(id(each), 0)
-            if depth == 0:
-                each._all_reduce_sum_gradients = list
-            _aggregation_depth[id(each)] = depth + 1
-    try:
-        yield
-    finally:
-        with _aggregation_lock:
-            for each in optimizers:
-                _aggregation_depth[id(each)] -= 1
-                if _aggregation_depth[id(each)] == 0:
-                    del _aggregation_depth[id(each)]
-                    del each._all_reduce_sum_gradients
+    return borrow.lent_to_each(
+        nested_optimizers(optimizer), _all_reduce_sum_gradients=list
+    )

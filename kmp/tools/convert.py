@@ -68,7 +68,8 @@ def convert(
     not compute in float16. Converting a compiled model to `"bfloat16"`
     (bfloat16 weights, half the memory of mixed precision) wraps the new
     optimizer in `kmp.LowPrecisionOptimizer` with Kahan compensation, so
-    the copy still trains (TensorFlow; see `guides/bfloat16_weights.py`).
+    the copy still trains (see `guides/bfloat16_weights.py`); its compile
+    config names the wrapper, so a saved copy loads with it and its state.
 
     Args:
         model: A Sequential or Functional model (a keras-hub backbone or
@@ -87,7 +88,8 @@ def convert(
             (which stalls once updates fall below half a bfloat16 ulp).
         slot_dtype: Only for `"bfloat16"`: the dtype of the optimizer's
             slots (`"bfloat16"` halves them), default the weights'.
-        seed: Only for `"bfloat16"`: the stochastic-rounding seed.
+        seed: Only for `"bfloat16"`: the stochastic-rounding seed, an
+            integer in [0, 2**63 - 1] (NumPy's too); None draws one.
 
     Returns:
         A new `keras.Model` of the same class.
@@ -97,12 +99,14 @@ def convert(
             and load the weights instead) or not a model; `policy` or an
             entry of `keep_float32` has the wrong type.
         ValueError: `rounding`, `slot_dtype` or `seed` is given for a
-            policy other than `"bfloat16"` or is not allowed; `policy` is
-            no floating policy; a name or pattern in
-            `keep_float32` matches no layer (the message lists the layers); a
-            layer is quantized; `model` is not built; a layer cannot be
-            rebuilt from its config (a Lambda layer, for one; the message
-            names it and says what to do instead).
+            policy other than `"bfloat16"` or is not allowed; the model's
+            optimizer uses EMA, gradient accumulation or a loss-scale factor,
+            which `LowPrecisionOptimizer` does not support (the message
+            says what to do instead); `policy` is no floating policy; a
+            name or pattern in `keep_float32` matches no layer (the message
+            lists the layers); a layer is quantized; `model` is not built;
+            a layer cannot be rebuilt from its config (a Lambda layer, for
+            one; the message names it and says what to do instead).
 
     Example:
 
@@ -118,6 +122,8 @@ def convert(
     """
     policy = _to_policy(policy, "policy")
     wraps = convert_optimizer.check(policy, rounding, slot_dtype, seed)
+    if wraps and getattr(model, "compiled", False):
+        convert_optimizer.check_optimizer(model)
     models.check_graph_model(model, "convert")
     models.check_built(
         model, "convert", "cannot tell which layers give its outputs"

@@ -6,13 +6,16 @@ half a unit in the last place vanish and training stalls. `convert` to
 `"bfloat16"` therefore compiles the copy of a compiled model with its
 optimizer wrapped in `kmp.LowPrecisionOptimizer` (Kahan compensation by
 default; `rounding="stochastic"`; `slot_dtype="bfloat16"` halves the
-slots too). `rounding=None` keeps Keras's plain update. TensorFlow only,
-like `LowPrecisionOptimizer`.
+slots too). `rounding=None` keeps Keras's plain update. The copy's compile
+config names the wrapper, so `model.save` and `keras.models.load_model`
+bring it back with all its state.
 """
+
+import numbers
 
 import keras
 
-from kmp.core import backend
+from kmp.core import low_precision
 
 DEFAULT = object()  # `rounding` not passed
 ROUNDINGS = ("kahan", "stochastic", "nearest")
@@ -56,12 +59,12 @@ def check(policy, rounding, slot_dtype, seed) -> bool:
             f" or None (the variables' dtype). Received: "
             f"slot_dtype={slot_dtype!r}"
         )
-    if seed not in (DEFAULT, None) and (
-        isinstance(seed, bool) or not isinstance(seed, int)
-    ):
-        raise ValueError(
-            f"'seed' must be an integer or None. Received: seed={seed!r}"
-        )
+    if seed is not DEFAULT and seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise ValueError(
+                f"'seed' must be an integer or None. Received: seed={seed!r}"
+            )
+        low_precision.check_seed(seed)
     if rounding is None:
         if given:
             raise ValueError(
@@ -70,32 +73,53 @@ def check(policy, rounding, slot_dtype, seed) -> bool:
                 + ", ".join(f"{k}={v!r}" for k, v in given.items())
             )
         return False
-    if not backend.is_tensorflow():
-        if rounding is DEFAULT and not given:
-            return False  # Nothing asked for: Keras's update, as elsewhere.
-        raise ValueError(
-            "kmp.LowPrecisionOptimizer (convert's 'rounding') needs Keras's "
-            f"TensorFlow backend; Keras runs on {backend.name()}. Pass "
-            "rounding=None for Keras's plain bfloat16 update."
-        )
     return True
+
+
+def _optimizer_to_wrap(model):
+    """The model's optimizer (its inner one, if loss-scaled)."""
+    inner = model.optimizer
+    if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+        inner = inner.inner_optimizer
+    return inner
+
+
+def check_optimizer(model) -> None:
+    """Refuses, before anything is built, a compiled model whose optimizer
+    `LowPrecisionOptimizer` cannot wrap, saying what to do instead."""
+    inner = _optimizer_to_wrap(model)
+    for option, why in low_precision.UNSUPPORTED_INNER_OPTIONS:
+        value = getattr(inner, option, None)
+        if value:
+            raise ValueError(
+                "kmp.convert(model, 'bfloat16') wraps the model's optimizer "
+                "in kmp.LowPrecisionOptimizer, which does not support the "
+                f"optimizer's '{option}' ({why}). Received: optimizer "
+                f"{inner.name!r} with {option}={value!r}. Compile the model "
+                f"with an optimizer without '{option}' before converting "
+                "it, or pass rounding=None to keep Keras's plain bfloat16 "
+                "update (which stalls once updates fall below half a "
+                "bfloat16 ulp)."
+            )
 
 
 def compile_with_low_precision(converted, model, rounding, slot_dtype, seed):
     """Compiles `converted` like `model`, with a new optimizer like the
-    model's (its inner one, if loss-scaled) in `LowPrecisionOptimizer`."""
-    from kmp.core.low_precision import LowPrecisionOptimizer
+    model's (its inner one, if loss-scaled) in `LowPrecisionOptimizer`.
 
-    config = model.get_compile_config()
-    inner = model.optimizer
-    if isinstance(inner, keras.optimizers.LossScaleOptimizer):
-        inner = inner.inner_optimizer
+    The compile config names the wrapper (with its seed), so a saved copy
+    loads with it; Keras's compile creates it from that config.
+    """
+    inner = _optimizer_to_wrap(model)
     inner = type(inner).from_config(inner.get_config())  # new, not built
-    wrapped = LowPrecisionOptimizer(
+    wrapped = low_precision.LowPrecisionOptimizer(
         inner,
         rounding="kahan" if rounding is DEFAULT else rounding,
         slot_dtype=None if slot_dtype is DEFAULT else slot_dtype,
         seed=None if seed is DEFAULT else seed,
     )
+    config = dict(
+        model.get_compile_config(),
+        optimizer=keras.optimizers.serialize(wrapped),
+    )
     converted.compile_from_config(config)
-    converted.optimizer = wrapped

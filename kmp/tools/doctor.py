@@ -135,7 +135,7 @@ def format_report(environment: Environment) -> str:
         f"  {reason}",
         f"  kmp.set_global_policy({policy!r})",
         "",
-        *memory_advice(environment.backend),
+        *memory_advice(),
     ]
     return "\n".join(lines)
 
@@ -151,11 +151,12 @@ TRAINING_BYTES_PER_PARAMETER = (
 )
 
 
-def memory_advice(backend_name: str) -> list:
-    """Lines for when memory, not speed, limits training (`kmp doctor`).
+def memory_advice() -> list:
+    """Lines for when memory, not speed, limits training (`kmp doctor`),
+    the same on every backend.
 
-    >>> print(memory_advice("jax")[-1])
-      (kmp.LowPrecisionOptimizer needs the TensorFlow backend; this is jax)
+    >>> print(memory_advice()[-1].split(": ")[0])
+      bfloat16 weights that still train
     """
     lines = [
         "If memory, not speed, is the limit (Adam; bytes per parameter "
@@ -170,11 +171,6 @@ def memory_advice(backend_name: str) -> list:
         "'bfloat16', rounding='kahan', slot_dtype='bfloat16') "
         "(guides/bfloat16_weights.py)"
     )
-    if backend_name != "tensorflow":
-        lines.append(
-            "  (kmp.LowPrecisionOptimizer needs the TensorFlow backend; "
-            f"this is {backend_name})"
-        )
     return lines
 
 

@@ -667,3 +667,130 @@ def test_unscaled_gradients_only_to_log_the_norm(mode):
         results.append(values(model))
     assert norms[0] == norms[1]
     assert_bits_equal(results[1], results[0])
+
+
+# --- Issue 21: wrappers nested under MirroredStrategy ---
+
+NESTINGS = {
+    # name: (wrapped, its reference: the same without the outer wrapper)
+    "lso_lpo_adam": (
+        lambda: LSO(
+            kmp.LowPrecisionOptimizer(keras.optimizers.Adam(0.01), seed=2),
+            dynamic=False,
+            initial_scale=16,
+        ),
+        lambda: kmp.LowPrecisionOptimizer(keras.optimizers.Adam(0.01), seed=2),
+    ),
+    "lso_lpo_stochastic_nadam": (
+        lambda: LSO(
+            kmp.LowPrecisionOptimizer(
+                keras.optimizers.Nadam(0.01), "stochastic", seed=2
+            ),
+            initial_scale=16,
+        ),
+        lambda: kmp.LowPrecisionOptimizer(
+            keras.optimizers.Nadam(0.01), "stochastic", seed=2
+        ),
+    ),
+    "lso_adam": (
+        lambda: LSO(keras.optimizers.Adam(0.01), initial_scale=16),
+        lambda: keras.optimizers.Adam(0.01),
+    ),
+}
+
+
+def bfloat16_model():
+    with kmp.policy_scope("bfloat16"):
+        model = keras.Sequential(
+            [
+                keras.Input((3,)),
+                keras.layers.Dense(4, activation="relu"),
+                keras.layers.Dense(2),
+                keras.layers.Activation("linear", dtype="float32"),
+            ]
+        )
+    model.set_weights(
+        [weights(w.shape, seed) for seed, w in enumerate(model.weights)]
+    )
+    return model
+
+
+def train_replicated(strategy, make_optimizer, how):
+    """Three steps of a bfloat16 model on both replicas: `fit`, or a
+    custom loop with Keras 3's recipe (`scale_loss` when loss-scaled)."""
+    x = weights((48, 3), 20)
+    y = weights((48, 2), 21)
+    with strategy.scope():
+        model = bfloat16_model()
+        optimizer = make_optimizer()
+        if how == "fit":
+            model.compile(optimizer=optimizer, loss="mse")
+        else:
+            optimizer.build(model.trainable_variables)
+    if how == "fit":
+        model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+        return model, optimizer
+    variables = model.trainable_variables
+
+    def replica_step(x, y):
+        with tf.GradientTape() as tape:
+            error = model(x, training=True) - y
+            loss = keras.ops.sum(error**2) / 16.0
+            if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+                loss = optimizer.scale_loss(loss)
+        grads = tape.gradient(loss, variables)
+        optimizer.apply_gradients(zip(grads, variables))
+
+    @tf.function
+    def step(x, y):
+        strategy.run(replica_step, args=(x, y))
+
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    for batch in strategy.experimental_distribute_dataset(dataset):
+        step(*batch)
+    return model, optimizer
+
+
+# Each case builds two replicated models (tens of seconds): CI runs the
+# defect's; KMP_NESTINGS=all runs every nesting.
+SAMPLED_NESTINGS = ("lso_lpo_adam",)
+
+
+@pytest.mark.parametrize("how", ["fit", "custom_loop"])
+@pytest.mark.parametrize(
+    "nesting",
+    [
+        name
+        if name in SAMPLED_NESTINGS
+        else pytest.param(
+            name,
+            marks=pytest.mark.skipif(
+                os.environ.get("KMP_NESTINGS") != "all",
+                reason="a sample runs by default; KMP_NESTINGS=all runs all",
+            ),
+        )
+        for name in NESTINGS
+    ],
+)
+def test_nested_wrappers_under_mirrored_strategy(strategy, nesting, how):
+    """LossScaleOptimizer(LowPrecisionOptimizer(Adam)) raised
+    AttributeError ('_all_reduce_sum_gradients') at every step: both
+    wrappers set and deleted the same attribute of Adam. A power-of-two
+    scale changes no gradient: the result is the reference's, bit for
+    bit, on both replicas."""
+    if strategy.num_replicas_in_sync != 2:
+        pytest.skip("needs two logical CPUs")
+    make, make_reference = NESTINGS[nesting]
+    model, optimizer = train_replicated(strategy, make, how)
+    reference, plain = train_replicated(strategy, make_reference, how)
+    steps = [optimizer.iterations, plain.iterations]
+    assert [int(keras.ops.convert_to_numpy(s)) for s in steps] == [3, 3]
+    assert_bits_equal(values(model), values(reference))
+    inner = optimizer.inner_optimizer
+    assert_bits_equal(values(inner), values(plain))
+    for variable in model.trainable_variables:
+        copies = [np.asarray(c) for c in variable.value.values]
+        assert copies[0].tobytes() == copies[1].tobytes()
+    assert not np.array_equal(
+        values(model)[0], weights(model.weights[0].shape, 0)
+    )

@@ -3,6 +3,7 @@
 import importlib
 
 import keras
+import pytest
 
 from kmp.core.hardware import Gpu
 from kmp.tools import doctor
@@ -101,6 +102,9 @@ def test_bytes_per_parameter_fall_with_each_step_to_bfloat16():
     assert sizes == [16, 16, 12, 10, 8]
 
 
-def test_memory_advice_names_the_backend_it_needs():
-    text = doctor.format_report(_environment("torch"))
-    assert "needs the TensorFlow backend; this is torch" in text
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_memory_advice_is_the_same_on_every_backend(backend):
+    text = doctor.format_report(_environment(backend))
+    assert "If memory" in text
+    assert "\n".join(doctor.memory_advice()) in text
+    assert "needs the TensorFlow backend" not in text

@@ -1,0 +1,74 @@
+"""How `LowPrecisionOptimizer` applies a step on TensorFlow.
+
+Two things only TensorFlow needs:
+
+* `tf.distribute`: the wrapper sums the gradients across replicas once
+  (where `kmp.LossScaleOptimizer` can turn that off, having summed them
+  itself); the inner optimizer's own `_backend_update_step` then applies
+  them as they are, with its per-replica updates, which call the update
+  step the wrapper lends it (`kmp.core.borrow`) for each variable.
+* XLA for large variables: their float32 arithmetic on low-precision state
+  is compiled, so no float32 temporaries the size of the variable are made
+  (on the 20M-parameter MLP, 220 MB of them at the step's peak).
+"""
+
+import functools
+
+from kmp.core import backend
+from kmp.core import borrow
+from kmp.core import rounding
+from kmp.core import tf_rounding
+
+tf = backend.tensorflow()
+
+# Smaller variables' temporaries are small; compiling each would cost more.
+COMPILE_MIN_ELEMENTS = 2**16
+
+
+def apply_update(optimizer, grads, variables):
+    """Sums `grads` over replicas (unless lent otherwise) and applies them."""
+    inner = optimizer.inner_optimizer
+    pairs = optimizer._all_reduce_sum_gradients(list(zip(grads, variables)))
+    with borrow.lent(
+        inner,
+        update_step=optimizer._update_step,
+        _all_reduce_sum_gradients=list,
+    ):
+        inner._backend_update_step(
+            [g for g, _ in pairs], [v for _, v in pairs], inner.learning_rate
+        )
+
+
+def update_variable(optimizer, gradient, learning_rate, variable, index):
+    """One variable's update; compiled with XLA for a large one."""
+    size = variable.shape.num_elements() or 0
+    low = rounding.is_low(variable.dtype) or rounding.is_low(
+        optimizer.slot_dtype
+    )
+    if not low or size < COMPILE_MIN_ELEMENTS:
+        optimizer._update_one(gradient, learning_rate, variable, index)
+        return
+    key = (index, id(variable))
+    if key not in optimizer._compiled:
+        optimizer._compiled[key] = tf.function(
+            functools.partial(
+                optimizer._update_one, variable=variable, index=index
+            ),
+            jit_compile=True,
+            autograph=False,
+        )
+    optimizer._compiled[key](
+        gradient, tf.cast(tf.convert_to_tensor(learning_rate), tf.float32)
+    )
+
+
+def view(optimizer, variable, model_variable, compensation, dtype):
+    """The float32 stand-in for `variable` (a `tf.Variable` here, one
+    replica's under `tf.distribute`) in the inner `update_step`."""
+    return tf_rounding.Float32View(
+        variable,
+        model_variable,
+        None if compensation is None else compensation.value,
+        optimizer.inner_optimizer._var_key(variable),
+        dtype,
+    )

@@ -1,0 +1,146 @@
+"""Stochastic rounding's random stream and the float32 view, on TensorFlow.
+
+The stream is TensorFlow's stateless Philox: a variable's key at a step is
+`stateless_fold_in([seed, step], index)`, and each 32-bit draw gives two
+elements their 16 bits. The seed is one int64 variable. `Float32View` is
+a plain object, not a Keras variable: TensorFlow's optimizers assign to
+the `tf.Variable` inside a Keras variable, and call the view's `assign`
+methods directly when it is none.
+"""
+
+import keras
+import numpy as np
+
+from kmp.core import backend
+
+tf = backend.tensorflow()
+
+SEED_SHAPE = ()
+SEED_DTYPE = "int64"
+
+
+def seed_value(seed: int):
+    """What the optimizer's seed variable holds for `seed`."""
+    return np.int64(seed)
+
+
+def seed_of(value) -> int:
+    """The seed a seed variable's value (`seed_value`'s result) holds."""
+    return int(np.asarray(value))
+
+
+def step_seed(seed, step, index: int):
+    """The stream's key for variable `index` at `step` (a shape-[2] int64)."""
+    seed = tf.stack(
+        [
+            tf.convert_to_tensor(seed),
+            tf.cast(tf.convert_to_tensor(step), tf.int64),
+        ]
+    )
+    return tf.random.experimental.stateless_fold_in(seed, index, alg="philox")
+
+
+def random_bits(seed, like):
+    """16 uniform random bits per element of `like`, as int32 (Philox)."""
+    size = tf.size(like)
+    # 16 random bits are enough: each 32-bit draw serves two elements.
+    noise = tf.random.stateless_uniform(
+        [(size + 1) // 2],
+        tf.convert_to_tensor(seed),
+        None,
+        None,
+        tf.uint32,
+        alg="philox",
+    )
+    noise = tf.reshape(tf.bitcast(noise, tf.uint16), [-1])[:size]
+    return tf.reshape(tf.cast(noise, tf.int32), tf.shape(like))
+
+
+class Float32View:
+    """A variable's float32 stand-in for one call of an `update_step`.
+
+    Reads as the variable (plus its compensation) in float32, computed once;
+    assignments replace that value, in float32, and touch no variable.
+    `_unique_id` is the variable's slot key (what `Optimizer._var_key` gives).
+    """
+
+    __array_ufunc__ = None  # NumPy defers to the reflected operators.
+
+    def __init__(self, variable, model_variable, compensation, key, dtype):
+        self._variable = variable
+        self._compensation = compensation
+        self._unique_id = key
+        self.dtype = dtype
+        self.shape = model_variable.shape
+        self.name = model_variable.name
+        self.path = model_variable.path
+        self._value = None
+        self.written = False
+
+    @property
+    def value(self):
+        if self._value is None:
+            value = tf.cast(tf.convert_to_tensor(self._variable), self.dtype)
+            if self._compensation is not None:
+                compensation = tf.convert_to_tensor(self._compensation)
+                value += tf.cast(compensation, self.dtype)
+            self._value = value
+        return self._value
+
+    def assign(self, value):
+        self._value = tf.cast(value, self.dtype)
+        self.written = True
+
+    def assign_add(self, value):
+        self.assign(self.value + tf.cast(value, self.dtype))
+
+    def assign_sub(self, value):
+        self.assign(self.value - tf.cast(value, self.dtype))
+
+    def scatter_update(self, slices):
+        indices = tf.expand_dims(slices.indices, -1)
+        self.assign(
+            tf.tensor_scatter_nd_update(self.value, indices, slices.values)
+        )
+
+    def scatter_add(self, slices):
+        indices = tf.expand_dims(slices.indices, -1)
+        self.assign(
+            tf.tensor_scatter_nd_add(self.value, indices, slices.values)
+        )
+
+    def scatter_sub(self, slices):
+        indices = tf.expand_dims(slices.indices, -1)
+        self.assign(
+            tf.tensor_scatter_nd_sub(self.value, indices, slices.values)
+        )
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        return tf.convert_to_tensor(self.value, dtype=dtype, name=name)
+
+    def __neg__(self):
+        return -self.value
+
+    def __getitem__(self, index):
+        return self.value[index]
+
+
+def _operator(function, reflected):
+    def method(self, other):
+        if reflected:
+            return function(other, self.value)
+        return function(self.value, other)
+
+    return method
+
+
+for _name, _function in {
+    "add": keras.ops.add,
+    "sub": keras.ops.subtract,
+    "mul": keras.ops.multiply,
+    "truediv": keras.ops.divide,
+    "pow": keras.ops.power,
+    "matmul": keras.ops.matmul,
+}.items():
+    setattr(Float32View, f"__{_name}__", _operator(_function, False))
+    setattr(Float32View, f"__r{_name}__", _operator(_function, True))

@@ -1,0 +1,56 @@
+"""How `LowPrecisionOptimizer` applies a step on torch.
+
+Keras's torch optimizers (Adam, SGD, RMSprop and others) apply a step to
+all variables at once with `torch._foreach` operations, in the variables'
+and slots' own dtypes, and never call `update_step`. Where no variable is
+low-precision and the slots are not either, that fused update is applied
+as it is (bit for bit Keras's). Otherwise every variable gets the
+optimizer's `keras.ops` update (its `update_step`, the same formulas as the
+fused one) on a float32 stand-in, as on the other backends, so that no
+arithmetic happens in bfloat16. Nothing is recorded for autograd.
+"""
+
+import functools
+
+import torch
+
+from kmp.core import low_precision
+from kmp.core import rounding
+
+update_variable = low_precision.update_variable
+view = low_precision.view
+
+
+def apply_update(optimizer, grads, variables):
+    """Applies the (clipped) gradients."""
+    inner = optimizer.inner_optimizer
+    with torch.no_grad():
+        if not any(
+            rounding.is_low(dtype)
+            for dtype in [optimizer.slot_dtype, *(v.dtype for v in variables)]
+        ):
+            inner._apply_weight_decay(variables)
+            inner._backend_update_step(grads, variables, inner.learning_rate)
+            for variable in variables:
+                if variable.constraint is not None:
+                    variable.assign(variable.constraint(variable))
+            return
+        step = _per_variable_update_step(type(inner))
+        low_precision.routed_update(
+            optimizer, grads, variables, functools.partial(step, inner)
+        )
+
+
+def _per_variable_update_step(optimizer_class):
+    """The `_backend_update_step` of `optimizer_class` that calls
+    `update_step` for each variable: the first in its method resolution
+    order that is not Keras's torch-specific (fused) one."""
+    for klass in optimizer_class.__mro__:
+        method = vars(klass).get("_backend_update_step")
+        if method is not None and not klass.__module__.startswith(
+            "keras.src.backend.torch"
+        ):
+            return method
+    raise TypeError(
+        f"{optimizer_class.__name__} has no per-variable update step."
+    )
