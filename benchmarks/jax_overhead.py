@@ -5,9 +5,10 @@ For the two benchmark models of `loss_scale_overhead.py` (the
 variables), under mixed_float16, one jitted training step of
 
 * Adam alone (the reference: no loss scaling),
-* `kmp.LossScaleOptimizer(Adam)`, and the same without the persistent-skips
-  report (`max_consecutive_skips=None`, which removes the host callback
-  from the jitted step),
+* `kmp.LossScaleOptimizer(Adam)`: in the loop as the README writes it, with
+  `check_persistent_skips(optimizer_values)` after every step; the same
+  loop without that call; and with `max_consecutive_skips=None` (no check
+  at all, also not in `fit`),
 * Keras 3's own `keras.optimizers.LossScaleOptimizer(Adam)`,
 
 in `fit` (Keras's jitted `train_on_batch`) and in the JAX custom loop
@@ -19,8 +20,14 @@ alone's, minus one, measured round by round in one process
 (`kmp.tools.timing`). Then the bfloat16 speed-up: float32 over
 mixed_bfloat16 step time, Adam alone, same models.
 
+A loop as users write it does not read anything after each step: the host
+dispatches the next step while the device runs this one. So in the loop
+every timed call runs `--chunk` steps (10) and waits for the last one's
+loss only: a check that waits for the device each step shows as the
+time it makes the host wait. (`fit` waits for every step anyway.)
+
     KERAS_BACKEND=jax python benchmarks/jax_overhead.py [--quick]
-        [--models mlp,many_small] [--rounds 6] [--steps 10]
+        [--models mlp,many_small] [--rounds 6] [--steps 10] [--chunk 10]
 
 The same sizes as the TensorFlow benchmarks (MLP batch 256, many_small
 batch 64); `--quick` shrinks everything to a smoke run of seconds.
@@ -51,7 +58,8 @@ GOALS = {"mlp": 0.03, "many_small": 0.10}  # issue 16: kmp's overhead
 CLASSES = 10
 LABELS = {
     "kmp": "kmp.LossScaleOptimizer",
-    "kmp_quiet": "  the same, max_consecutive_skips=None",
+    "kmp_unchecked": "  the loop without check_persistent_skips",
+    "kmp_quiet": "  max_consecutive_skips=None",
     "keras": "keras.optimizers.LossScaleOptimizer",
 }
 
@@ -69,8 +77,10 @@ def make_optimizer(kind):
     adam = keras.optimizers.Adam(1e-4)
     if kind == "kmp":
         return kmp.LossScaleOptimizer(adam)
-    if kind == "kmp_quiet":  # no persistent-skips report (no host callback)
+    if kind == "kmp_quiet":  # no persistent-skips check anywhere
         return kmp.LossScaleOptimizer(adam, max_consecutive_skips=None)
+    if kind == "kmp_unchecked":  # the loop does not call the check
+        return kmp.LossScaleOptimizer(adam)
     if kind == "keras":
         return keras.optimizers.LossScaleOptimizer(adam)
     return adam
@@ -79,8 +89,10 @@ def make_optimizer(kind):
 class Subject:
     """One configuration: a model, an optimizer and a jitted step."""
 
-    def __init__(self, name, sizes, policy, kind, loop):
+    def __init__(self, name, sizes, policy, kind, loop, chunk=1):
         self.label = f"{name} {policy} {kind} {loop}"
+        self.kind = kind
+        self.chunk = chunk
         keras.utils.set_random_seed(0)
         rng = np.random.default_rng(0)
         batch = sizes["batch"]
@@ -144,7 +156,11 @@ class Subject:
         return step
 
     def _custom_step(self):
-        self._state, loss = self._jitted(self._state, self.x, self.y)
+        for _ in range(self.chunk):
+            self._state, loss = self._jitted(self._state, self.x, self.y)
+            if self.kind in ("kmp", "kmp_quiet"):
+                # As the README's loop: after every step.
+                self.optimizer.check_persistent_skips(self._state[2])
         return loss
 
 
@@ -159,8 +175,8 @@ def run(subjects, args):
     return timings
 
 
-def median_ms(t):
-    return 1000 * float(np.median(t.times))
+def median_ms(t, chunk=1):
+    return 1000 * float(np.median(t.times)) / chunk
 
 
 def main():
@@ -171,26 +187,48 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup-min", type=int, default=5)
     parser.add_argument("--warmup-max", type=int, default=40)
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=10,
+        help="loop steps per timed call; only the last one is waited for",
+    )
+    parser.add_argument(
+        "--no-bfloat16",
+        dest="bfloat16",
+        action="store_false",
+        help="skip the bfloat16 speed-up",
+    )
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps, args.warmup_min, args.warmup_max = 2, 3, 1, 3
+        args.chunk = 2
     sizes_of = QUICK_SIZES if args.quick else SIZES
     print(
         f"JAX {jax.__version__}, Keras {keras.__version__}, "
         f"devices {jax.devices()}, CPU {platform.processor() or '?'}"
     )
     print("overhead: step time / Adam alone's - 1, median over rounds")
-    kinds = ("adam", "kmp", "kmp_quiet", "keras")
+    print(f"the loop: {args.chunk} steps per timed call (--chunk)")
     for name in args.models.split(","):
         for loop in args.loops.split(","):
+            kinds = ["adam", "kmp", "kmp_unchecked", "kmp_quiet", "keras"]
+            if loop == "fit":  # fit checks by itself, after every step
+                kinds.remove("kmp_unchecked")
+            chunk = args.chunk if loop == "custom" else 1
             subjects = [
-                Subject(name, sizes_of[name], "mixed_float16", kind, loop)
+                Subject(
+                    name, sizes_of[name], "mixed_float16", kind, loop, chunk
+                )
                 for kind in kinds
             ]
             t = run(subjects, args)
             adam = t[subjects[0].label]
-            print(f"{name} / {loop}: Adam alone {median_ms(adam):.2f} ms")
+            print(
+                f"{name} / {loop}: Adam alone "
+                f"{median_ms(adam, chunk):.2f} ms/step"
+            )
             for subject, kind in zip(subjects[1:], kinds[1:]):
                 r = timing.ratio(t[subject.label], adam)
                 goal = ""
@@ -200,14 +238,17 @@ def main():
                         "met" if met else "not met"
                     )
                 print(
-                    f"  {LABELS[kind]:38} {r.median - 1:+7.1%} "
+                    f"  {LABELS[kind]:42} {r.median - 1:+7.1%} "
                     f"[{r.low - 1:+.1%}, {r.high - 1:+.1%}]{goal}"
                 )
+    if not args.bfloat16:
+        return
     print("bfloat16 speed-up: float32 step time / mixed_bfloat16's, Adam")
     for name in args.models.split(","):
         for loop in args.loops.split(","):
+            chunk = args.chunk if loop == "custom" else 1
             subjects = [
-                Subject(name, sizes_of[name], policy, "adam", loop)
+                Subject(name, sizes_of[name], policy, "adam", loop, chunk)
                 for policy in ("float32", "mixed_bfloat16")
             ]
             t = run(subjects, args)
@@ -215,8 +256,8 @@ def main():
             r = timing.ratio(f32, bf16)
             print(
                 f"{name:11} {loop:7} {r.median:.2f}x [{r.low:.2f}-"
-                f"{r.high:.2f}]   (float32 {median_ms(f32):.2f} ms, "
-                f"bfloat16 {median_ms(bf16):.2f} ms)"
+                f"{r.high:.2f}]   (float32 {median_ms(f32, chunk):.2f} ms, "
+                f"bfloat16 {median_ms(bf16, chunk):.2f} ms)"
             )
 
 
