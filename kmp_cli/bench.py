@@ -263,6 +263,10 @@ def run(args: argparse.Namespace) -> int:
     from kmp.tools import bench
     from kmp.tools import bench_report
 
+    problem = bench.unsupported(args.model, args.policies)
+    if problem:
+        parser.error(f"argument --policies: {problem}")
+
     started = time.perf_counter()
     results = bench.run_benchmark(
         policies=args.policies,

@@ -404,7 +404,9 @@ def run_benchmark(
     spec = bench_models.model_spec(
         model, size, units, batch_size, gpu=device == "gpu"
     )
-    _check_supported(spec, policies, device)
+    problem = unsupported(spec.name, policies)
+    if problem:
+        raise ValueError(f"{problem} Received: policies={tuple(policies)!r}")
     data = bench_models.load_data(spec)
     x_train, _, y_train, _ = data
     # The first call, the warm-up, one untimed step per round, the timed.
@@ -470,17 +472,21 @@ def run_benchmark(
     return results
 
 
-def _check_supported(spec, policies, device):
+def unsupported(model, policies) -> Optional[str]:
+    """Why `model` cannot train under `policies` here, or None.
+
+    On JAX's CPU backend Keras's attention cannot compute in float16.
+    """
     float16 = [p for p in policies if needs_loss_scaling(p)]
-    if spec.name == "transformer" and float16 and backend.is_jax():
-        if device == "cpu":
-            raise ValueError(
+    if model == "transformer" and float16 and backend.is_jax():
+        if backend_module().device() == "cpu":
+            return (
                 "On JAX's CPU backend Keras's attention cannot compute in "
-                "float16 (XLA's CPU dot has no float16 x float16 -> float32), "
-                f"so the transformer cannot run under {', '.join(float16)} "
-                "here: it needs a GPU. Received: policies="
-                f"{tuple(policies)!r}"
+                "float16 (XLA's CPU dot has no float16 x float16 -> "
+                "float32), so the transformer cannot run under "
+                f"{', '.join(float16)} here: it needs a GPU."
             )
+    return None
 
 
 def _since(started):
@@ -510,4 +516,5 @@ __all__ = [
     "plan_configurations",
     "plan_steps",
     "run_benchmark",
+    "unsupported",
 ]
