@@ -28,6 +28,7 @@ default): after the warm-up, the step times measured there decide how many
 steps fit in what is left (`plan_steps`).
 """
 
+import gc
 import time
 from typing import Dict
 from typing import List
@@ -53,6 +54,8 @@ DEFAULT_SIZE = "auto"
 # are not fixed; the warm-up may take a quarter of it.
 DEFAULT_BUDGET_SECONDS = 120.0
 _WARMUP_SHARE = 0.25
+# The share of what is left after the warm-up that the timed steps plan on.
+_BUDGET_SHARE = 0.85
 # The most timing rounds; fewer when few steps fit (each round costs every
 # configuration one untimed step).
 DEFAULT_ROUNDS = 5
@@ -431,25 +434,27 @@ def run_benchmark(
         Configuration(p, loop, implementation, spec, batches, memory)
         for p, loop, implementation in plan
     ]
+    walls = _StepWalls()
     timings = timing.warm_up_all(
         configurations,
         warmup_min=warmup_steps if steps is not None else 1,
         warmup_max=warmup_steps,
         context=module.context,
-        observe=lambda c, loss, seconds, timed: c.record(loss, seconds, timed),
+        observe=walls.observe,
         warmed_up=lambda c, t: progress.advance(),
         max_seconds=None
         if steps is not None
         else _WARMUP_SHARE * budget_seconds / len(plan),
     )
     if steps is None:
+        seconds = walls.per_step(timings)
         steps, rounds = _steps_for_budget(
-            timings, data, spec, budget_seconds - _since(started), rounds
+            seconds, data, spec, budget_seconds - _since(started), rounds
         )
         progress.say(
             f"Warm-up done after {_since(started):.0f} s. Timing {steps} "
             f"steps per configuration in {rounds} rounds: about "
-            f"{_estimate(timings, steps + rounds):.0f} s more."
+            f"{(steps + rounds) * sum(seconds):.0f} s more."
         )
     progress.start(len(plan) * (steps + rounds), "step")
 
@@ -493,19 +498,46 @@ def _since(started):
     return time.perf_counter() - started
 
 
-def _estimate(timings, steps):
-    """Seconds for `steps` more steps of every configuration."""
-    return steps * sum(t.warmup_last for t in timings.values())
+class _StepWalls:
+    """What a warm-up step costs in all: the step and its record (a step's
+    time alone, without the record, would promise more steps than fit)."""
+
+    def __init__(self):
+        self._walls = {}
+        self._last = None
+
+    def observe(self, configuration, loss, seconds, timed):
+        configuration.record(loss, seconds, timed)
+        now = time.perf_counter()
+        if self._last is not None and self._last[0] is configuration:
+            # From the end of the step before to the end of this one.
+            walls = self._walls.setdefault(configuration.label, [])
+            walls.append(now - self._last[1])
+        self._last = (configuration, now)
+
+    def per_step(self, timings):
+        """Seconds per step of each configuration: the larger of its last
+        warm-up steps' time and their median wall time with the record."""
+        seconds = []
+        for label, timing_ in timings.items():
+            walls = self._walls.get(label, [])[-5:]
+            wall = sorted(walls)[len(walls) // 2] if walls else 0.0
+            seconds.append(max(timing_.warmup_last, wall))
+        return seconds
 
 
-def _steps_for_budget(timings, data, spec, seconds_left, max_rounds):
-    """`plan_steps` on the time left after the evaluation (every training
+def _steps_for_budget(step_seconds, data, spec, seconds_left, max_rounds):
+    """`plan_steps` on what is left after the evaluation (every training
     and test example through the model once: about a third of a training
-    step per batch)."""
+    step per batch) and the garbage collections that start every turn
+    (`timing`), less a share for machines that slow down."""
     examples = len(data[0]) + len(data[1])
-    evaluation = _estimate(timings, examples / spec.batch_size / 3)
-    step_seconds = [t.warmup_last for t in timings.values()]
-    return plan_steps(seconds_left - evaluation, step_seconds, max_rounds)
+    evaluation = examples / spec.batch_size / 3 * sum(step_seconds)
+    started = time.perf_counter()
+    gc.collect()
+    turns = max_rounds * len(step_seconds) * (time.perf_counter() - started)
+    seconds = _BUDGET_SHARE * (seconds_left - evaluation - turns)
+    return plan_steps(seconds, step_seconds, max_rounds)
 
 
 __all__ = [
