@@ -121,15 +121,21 @@ def _check_budget(value):
 # --- The plan -----------------------------------------------------------------
 
 
-def _amp_policy(policy):
-    """Plain PyTorch AMP has a counterpart of float32 and the mixed ones."""
-    return policy == "float32" or policy.startswith("mixed_")
+def _amp_policy(policy, device):
+    """Plain PyTorch AMP has a counterpart of float32 and the mixed
+    policies; its float16 needs a CUDA device (on a CPU torch's float16
+    autocast is emulated: over ten times slower than float32)."""
+    if policy == "mixed_float16":
+        return device == "gpu"
+    return policy in ("float32", "mixed_bfloat16")
 
 
-def plan_configurations(policies, loops, native, overhead, torch_amp):
+def plan_configurations(
+    policies, loops, native, overhead, torch_amp, device="gpu"
+):
     """`(policy, loop, implementation)` of every configuration, in order:
     kmp's, Keras's loss scaling, no loss scaling, plain PyTorch AMP (its
-    custom loop only; on torch only)."""
+    custom loop only; on torch only; float16 on a GPU only)."""
     scaled = [p for p in policies if needs_loss_scaling(p)]
     plan = [(p, loop, "kmp") for p in policies for loop in loops]
     if native:
@@ -137,13 +143,11 @@ def plan_configurations(policies, loops, native, overhead, torch_amp):
     if overhead:
         plan += [(p, loop, "unscaled") for p in scaled for loop in loops]
     if torch_amp and backend.is_torch() and "custom" in loops:
-        plan += [(p, "custom", "torch") for p in policies if _amp_policy(p)]
+        amp = [p for p in policies if _amp_policy(p, device)]
+        plan += [(p, "custom", "torch") for p in amp]
         if overhead:
-            plan += [
-                (p, "custom", "torch_unscaled")
-                for p in scaled
-                if _amp_policy(p)
-            ]
+            unscaled = [p for p in amp if p in scaled]
+            plan += [(p, "custom", "torch_unscaled") for p in unscaled]
     return plan
 
 
@@ -417,11 +421,13 @@ def run_benchmark(
     batches = bench_models.Batches(
         x_train, y_train, spec.batch_size, max_batches=needed or 512
     )
-    plan = plan_configurations(policies, loops, native, overhead, torch_amp)
+    plan = plan_configurations(
+        policies, loops, native, overhead, torch_amp, device
+    )
     progress = _Progress(verbose)
     progress.say(
         f"kmp bench: {bench_models.describe(spec)}; Keras on "
-        f"{backend.name()} ({device}); {len(plan)} configurations."
+        f"{backend.name()} ({device}); {_count(len(plan), 'configuration')}."
     )
     if steps is None:
         progress.say(
@@ -452,8 +458,9 @@ def run_benchmark(
             seconds, data, spec, budget_seconds - _since(started), rounds
         )
         progress.say(
-            f"Warm-up done after {_since(started):.0f} s. Timing {steps} "
-            f"steps per configuration in {rounds} rounds: about "
+            f"Warm-up done after {_since(started):.0f} s. Timing "
+            f"{_count(steps, 'step')} per configuration in "
+            f"{_count(rounds, 'round')}: about "
             f"{(steps + rounds) * sum(seconds):.0f} s more."
         )
     progress.start(len(plan) * (steps + rounds), "step")
@@ -496,6 +503,10 @@ def unsupported(model, policies) -> Optional[str]:
 
 def _since(started):
     return time.perf_counter() - started
+
+
+def _count(number, word):
+    return f"{number} {word}{'' if number == 1 else 's'}"
 
 
 class _StepWalls:

@@ -182,6 +182,7 @@ def test_plan_configurations_orders_the_implementations():
         native=True,
         overhead=True,
         torch_amp=True,
+        device="gpu",
     )
     keras_side = [
         ("float32", "fit", "kmp"),
@@ -201,16 +202,24 @@ def test_plan_configurations_orders_the_implementations():
     assert plan == keras_side + (torch_side if backends.TORCH else [])
 
 
-def test_plain_pytorch_amp_has_no_pure_16_bit_counterpart():
+@pytest.mark.parametrize(
+    "device, policies",
+    [("gpu", ["mixed_bfloat16", "mixed_float16"]), ("cpu", ["mixed_bfloat16"])],
+)
+def test_plain_pytorch_amp_rows(device, policies):
+    """No counterpart of the pure 16-bit policies; float16 on a GPU only."""
     plan = bench.plan_configurations(
-        ["bfloat16", "mixed_bfloat16"],
+        ["bfloat16", "float16", "mixed_bfloat16", "mixed_float16"],
         ["custom"],
         native=True,
-        overhead=False,
+        overhead=True,
         torch_amp=True,
+        device=device,
     )
-    torch_rows = [p for p in plan if p[2] == "torch"]
-    expected = [("mixed_bfloat16", "custom", "torch")]
+    torch_rows = [p for p in plan if p[2].startswith("torch")]
+    expected = [(p, "custom", "torch") for p in policies]
+    if "mixed_float16" in policies:
+        expected.append(("mixed_float16", "custom", "torch_unscaled"))
     assert torch_rows == (expected if backends.TORCH else [])
 
 
