@@ -296,9 +296,14 @@ def _torch_lines(results, by_key):
         if r["implementation"] != "torch" or r.get("kmp_over_torch") is None:
             continue
         mine = by_key[(r["policy"], r["loop"], "kmp")]
+        other = (
+            "plain PyTorch's"
+            if r["policy"] == "float32"
+            else ("plain PyTorch AMP's")
+        )
         line = (
             f"{LOOP_WORDS[r['loop']]}: kmp's {r['policy']} steps take "
-            f"{_cost_phrase(r['kmp_over_torch'])} plain PyTorch AMP's "
+            f"{_cost_phrase(r['kmp_over_torch'])} {other} "
             f"({mine['median_ms']:.2f} vs {r['median_ms']:.2f} ms/step)"
         )
         if r["policy"] != "float32" and r["speedup_vs_float32"] is not None:
