@@ -7,8 +7,9 @@ variables), under mixed_float16, one jitted training step of
 * Adam alone (the reference: no loss scaling),
 * `kmp.LossScaleOptimizer(Adam)`: in the loop as the README writes it, with
   `check_persistent_skips(optimizer_values)` after every step; the same
-  loop without that call; and with `max_consecutive_skips=None` (no check
-  at all, also not in `fit`),
+  with `check_persistent_skips_now` (which waits for every step, as the
+  check did before it became non-blocking); without the check; and with
+  `max_consecutive_skips=None` (no check at all, also not in `fit`),
 * Keras 3's own `keras.optimizers.LossScaleOptimizer(Adam)`,
 
 in `fit` (Keras's jitted `train_on_batch`) and in the JAX custom loop
@@ -17,7 +18,8 @@ Keras documents (`jax.value_and_grad` over `stateless_call`, then
 `stateless_unscale_gradients`, Keras's through gradients of the scaled loss,
 which its `stateless_apply` unscales). Overhead = step time over Adam
 alone's, minus one, measured round by round in one process
-(`kmp.tools.timing`). Then the bfloat16 speed-up: float32 over
+(`kmp.tools.timing`); the process's CPU time per step beside it, which a
+busy machine disturbs less. Then the bfloat16 speed-up: float32 over
 mixed_bfloat16 step time, Adam alone, same models.
 
 A loop as users write it does not read anything after each step: the host
@@ -36,6 +38,7 @@ batch 64); `--quick` shrinks everything to a smoke run of seconds.
 import argparse
 import os
 import platform
+import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
@@ -58,6 +61,7 @@ GOALS = {"mlp": 0.03, "many_small": 0.10}  # issue 16: kmp's overhead
 CLASSES = 10
 LABELS = {
     "kmp": "kmp.LossScaleOptimizer",
+    "kmp_waiting": "  the loop with check_persistent_skips_now",
     "kmp_unchecked": "  the loop without check_persistent_skips",
     "kmp_quiet": "  max_consecutive_skips=None",
     "keras": "keras.optimizers.LossScaleOptimizer",
@@ -79,7 +83,7 @@ def make_optimizer(kind):
         return kmp.LossScaleOptimizer(adam)
     if kind == "kmp_quiet":  # no persistent-skips check anywhere
         return kmp.LossScaleOptimizer(adam, max_consecutive_skips=None)
-    if kind == "kmp_unchecked":  # the loop does not call the check
+    if kind in ("kmp_unchecked", "kmp_waiting"):
         return kmp.LossScaleOptimizer(adam)
     if kind == "keras":
         return keras.optimizers.LossScaleOptimizer(adam)
@@ -161,6 +165,8 @@ class Subject:
             if self.kind in ("kmp", "kmp_quiet"):
                 # As the README's loop: after every step.
                 self.optimizer.check_persistent_skips(self._state[2])
+            elif self.kind == "kmp_waiting":  # Waits for every step.
+                self.optimizer.check_persistent_skips_now(self._state[2])
         return loss
 
 
@@ -173,6 +179,24 @@ def run(subjects, args):
         warmup_max=args.warmup_max,
     )
     return timings
+
+
+def cpu_ratio(a, b):
+    """a's median CPU time per step over b's: the work each step makes the
+    process do, which a busy machine disturbs less than the wall time."""
+    return float(np.median(a.cpu_times)) / float(np.median(b.cpu_times))
+
+
+def check_microseconds(subject, calls=300):
+    """The README loop's check after a step, on a state already computed:
+    its own cost, without the wait for the device."""
+    values = subject._state[2]
+    jax.block_until_ready(values)
+    subject.optimizer.check_persistent_skips(values)
+    start = time.perf_counter()
+    for _ in range(calls):
+        subject.optimizer.check_persistent_skips(values)
+    return (time.perf_counter() - start) / calls * 1e6
 
 
 def median_ms(t, chunk=1):
@@ -213,9 +237,11 @@ def main():
     print(f"the loop: {args.chunk} steps per timed call (--chunk)")
     for name in args.models.split(","):
         for loop in args.loops.split(","):
-            kinds = ["adam", "kmp", "kmp_unchecked", "kmp_quiet", "keras"]
+            kinds = ["adam", "kmp", "kmp_waiting", "kmp_unchecked"]
+            kinds += ["kmp_quiet", "keras"]
             if loop == "fit":  # fit checks by itself, after every step
-                kinds.remove("kmp_unchecked")
+                kinds = [k for k in kinds if k in ("adam", "kmp", "keras")]
+                kinds.insert(2, "kmp_quiet")
             chunk = args.chunk if loop == "custom" else 1
             subjects = [
                 Subject(
@@ -237,9 +263,17 @@ def main():
                     goal = f"  goal <= {GOALS[name]:+.0%}: " + (
                         "met" if met else "not met"
                     )
+                cpu = cpu_ratio(t[subject.label], adam)
                 print(
                     f"  {LABELS[kind]:42} {r.median - 1:+7.1%} "
-                    f"[{r.low - 1:+.1%}, {r.high - 1:+.1%}]{goal}"
+                    f"[{r.low - 1:+.1%}, {r.high - 1:+.1%}], CPU time "
+                    f"{cpu - 1:+.1%}{goal}"
+                )
+            if loop == "custom":
+                kmp_subject = subjects[kinds.index("kmp")]
+                print(
+                    "  check_persistent_skips(optimizer_values) alone: "
+                    f"{check_microseconds(kmp_subject):.0f} us a call"
                 )
     if not args.bfloat16:
         return
