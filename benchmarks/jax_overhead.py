@@ -29,8 +29,14 @@ every timed call runs `--chunk` steps (10) and waits for the last one's
 loss only: a check that waits for the device each step shows as the
 time it makes the host wait. (`fit` waits for every step anyway.)
 
+Last, the README loop's check on its own: blocks of 100 steps of the loop
+alone, with `check_persistent_skips` (the README), with
+`check_persistent_skips_now` (waiting for every step) and reading the loss
+every step, in rotating order (`--check-cost` blocks).
+
     KERAS_BACKEND=jax python benchmarks/jax_overhead.py [--quick]
         [--models mlp,many_small] [--rounds 6] [--steps 10] [--chunk 10]
+        [--check-cost 8] [--no-bfloat16]
 
 The same sizes as the TensorFlow benchmarks (MLP batch 256, many_small
 batch 64); `--quick` shrinks everything to a smoke run of seconds.
@@ -200,6 +206,51 @@ def check_microseconds(subject, calls=300):
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def check_cost(name, sizes, blocks, steps):
+    """The README loop's check in the loop, variant by variant, on one
+    model and optimizer: `blocks` blocks of `steps` steps each, in rotating
+    order, each block waited for at its end only. Returns `{variant:
+    (median, fastest) ms per step}`."""
+    subject = Subject(name, sizes, "mixed_float16", "kmp_unchecked", "custom")
+    optimizer = subject.optimizer
+
+    def step():
+        subject._state, loss = subject._jitted(
+            subject._state, subject.x, subject.y
+        )
+        return loss
+
+    variants = {
+        "the step alone": step,
+        "+ check_persistent_skips (README)": lambda: (
+            step(),
+            optimizer.check_persistent_skips(subject._state[2]),
+        ),
+        "+ check_persistent_skips_now": lambda: (
+            step(),
+            optimizer.check_persistent_skips_now(subject._state[2]),
+        ),
+        "+ reading the loss": lambda: np.asarray(step()),
+    }
+    if not hasattr(optimizer, "check_persistent_skips_now"):
+        del variants["+ check_persistent_skips_now"]  # kmp before it
+    names = list(variants)
+    for function in variants.values():
+        for _ in range(5):
+            function()
+    jax.block_until_ready(subject._state)
+    times = {k: [] for k in names}
+    for block in range(blocks):
+        shift = block % len(names)
+        for key in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            for _ in range(steps):
+                variants[key]()
+            jax.block_until_ready(subject._state)
+            times[key].append((time.perf_counter() - start) / steps * 1e3)
+    return {k: (float(np.median(v)), min(v)) for k, v in times.items()}
+
+
 def median_ms(t, chunk=1):
     return 1000 * float(np.median(t.times)) / chunk
 
@@ -224,11 +275,19 @@ def main():
         action="store_false",
         help="skip the bfloat16 speed-up",
     )
+    parser.add_argument(
+        "--check-cost",
+        type=int,
+        default=8,
+        metavar="BLOCKS",
+        help="blocks of 100 loop steps timing the check variant by variant "
+        "(0: skip)",
+    )
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps, args.warmup_min, args.warmup_max = 2, 3, 1, 3
-        args.chunk = 2
+        args.chunk, args.check_cost = 2, 2
     sizes_of = QUICK_SIZES if args.quick else SIZES
     print(
         f"JAX {jax.__version__}, Keras {keras.__version__}, "
@@ -280,6 +339,21 @@ def main():
                 print(
                     "  check_persistent_skips(optimizer_values) alone: "
                     f"{check_microseconds(kmp_subject):.0f} us a call"
+                )
+    if args.check_cost:
+        print(
+            "the check in the loop: ms/step, median [fastest] of "
+            f"{args.check_cost} blocks of 100 steps, each waited for at its "
+            "end"
+        )
+        for name in args.models.split(","):
+            costs = check_cost(name, sizes_of[name], args.check_cost, 100)
+            alone = costs["the step alone"]
+            for key, (median, fastest) in costs.items():
+                print(
+                    f"  {name:10} {key:35} {median:7.2f} [{fastest:.2f}]"
+                    f"  {median / alone[0] - 1:+.1%} "
+                    f"[{fastest / alone[1] - 1:+.1%}]"
                 )
     if not args.bfloat16:
         return
