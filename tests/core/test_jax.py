@@ -290,6 +290,41 @@ def test_jitted_loop_checks_persistent_skips_at_most_one_step_late(donate):
     assert int(optimizer.skipped_steps) == 0
 
 
+def test_loop_check_does_not_wait_for_a_running_step():
+    """The check returns while the step that made its values still runs
+    (a step of several seconds of matrix products here), and reports on
+    them at the next call, which waits for them."""
+    model = training.model()
+    optimizer = _raising_loop_optimizer(model, limit=1)
+
+    @jax.jit
+    def slow_skip(optimizer_values, matrix):
+        for _ in range(8):
+            matrix = jax.numpy.tanh(matrix @ matrix)
+        # A skipped step's counters, computed after the products.
+        late = (matrix[0, 0] * 0).astype("int32")
+        values = dict(zip(map(id, optimizer.variables), optimizer_values))
+        values[id(optimizer.consecutive_skips_variable)] += 1 + late
+        return [values[id(v)] for v in optimizer.variables]
+
+    values = [v.value for v in optimizer.variables]
+    matrix = jax.numpy.full((1024, 1024), 1.0 / 1024)
+    optimizer.check_persistent_skips(values)  # Compiles the copy.
+    optimizer.check_persistent_skips(values)  # Both reported: no skips.
+    jax.block_until_ready(slow_skip(values, matrix))  # Compiled.
+    skipped = slow_skip(values, matrix)
+    optimizer.check_persistent_skips(skipped)
+    position = next(
+        i
+        for i, v in enumerate(optimizer.variables)
+        if v is optimizer.consecutive_skips_variable
+    )
+    # It returned before the step had computed what it checks.
+    assert not skipped[position].is_ready()
+    with pytest.raises(FloatingPointError, match="skipped the last 1 step"):
+        optimizer.check_persistent_skips(skipped)
+
+
 def test_loop_check_never_reports_before_the_limit():
     model = training.model()
     optimizer = _raising_loop_optimizer(model, limit=3)
