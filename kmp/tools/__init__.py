@@ -8,9 +8,9 @@
   `audit_plot`);
 - `doctor`: the machine and the policy that suits it;
 - `bench`: policies timed and compared on one model, on every backend
-  (`bench_models`, `bench_configuration`, `bench_report`; the steps of
-  each backend in `tf_bench`, `jax_bench`, `torch_bench`), with
-  `timing`, the toolkit `benchmarks/` uses too;
+  (`bench_models`, `bench_plan`, `bench_configuration`, `bench_report`;
+  the steps of each backend in `tf_bench`, `jax_bench`, `torch_bench`),
+  with `timing`, the toolkit `benchmarks/` uses too;
 - `monitor`: the loss scale in `fit`'s logs; `testing`: fault injection;
 - shared: `models` (walking a model's graph), `tables` (text tables).
 

@@ -28,7 +28,6 @@ default): after the warm-up, the step times measured there decide how many
 steps fit in what is left (`plan_steps`).
 """
 
-import gc
 import time
 from typing import Dict
 from typing import List
@@ -41,10 +40,14 @@ import numpy as np
 from kmp.core import backend
 from kmp.core.policy import POLICY_NAMES
 from kmp.tools import bench_models
+from kmp.tools import bench_plan
 from kmp.tools import timing
 from kmp.tools.bench_configuration import Configuration
 from kmp.tools.bench_configuration import backend_module
 from kmp.tools.bench_configuration import needs_loss_scaling
+from kmp.tools.bench_plan import MAX_BUDGET_STEPS
+from kmp.tools.bench_plan import plan_configurations
+from kmp.tools.bench_plan import plan_steps
 from kmp.tools.bench_report import LOOPS
 
 DEFAULT_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
@@ -54,16 +57,10 @@ DEFAULT_SIZE = "auto"
 # are not fixed; the warm-up may take a quarter of it.
 DEFAULT_BUDGET_SECONDS = 120.0
 _WARMUP_SHARE = 0.25
-# The share of what is left after the warm-up that the timed steps plan on.
-_BUDGET_SHARE = 0.85
 # The most timing rounds; fewer when few steps fit (each round costs every
 # configuration one untimed step).
 DEFAULT_ROUNDS = 5
 DEFAULT_WARMUP_STEPS = 10
-# Timed steps per configuration from a budget: at least one per round, at
-# most this many.
-MAX_BUDGET_STEPS = 5000
-_STEPS_PER_ROUND = 20
 
 
 # --- Validation ---------------------------------------------------------------
@@ -118,65 +115,7 @@ def _check_budget(value):
     return float(value)
 
 
-# --- The plan -----------------------------------------------------------------
-
-
-def _amp_policy(policy, device):
-    """Plain PyTorch AMP has a counterpart of float32 and the mixed
-    policies; its float16 needs a CUDA device (on a CPU torch's float16
-    autocast is emulated: over ten times slower than float32)."""
-    if policy == "mixed_float16":
-        return device == "gpu"
-    return policy in ("float32", "mixed_bfloat16")
-
-
-def plan_configurations(
-    policies, loops, native, overhead, torch_amp, device="gpu"
-):
-    """`(policy, loop, implementation)` of every configuration, in order:
-    kmp's, Keras's loss scaling, no loss scaling, plain PyTorch AMP (its
-    custom loop only; on torch only; float16 on a GPU only)."""
-    scaled = [p for p in policies if needs_loss_scaling(p)]
-    plan = [(p, loop, "kmp") for p in policies for loop in loops]
-    if native:
-        plan += [(p, loop, "native") for p in scaled for loop in loops]
-    if overhead:
-        plan += [(p, loop, "unscaled") for p in scaled for loop in loops]
-    if torch_amp and backend.is_torch() and "custom" in loops:
-        amp = [p for p in policies if _amp_policy(p, device)]
-        plan += [(p, "custom", "torch") for p in amp]
-        if overhead:
-            unscaled = [p for p in amp if p in scaled]
-            plan += [(p, "custom", "torch_unscaled") for p in unscaled]
-    return plan
-
-
-def plan_steps(seconds, step_seconds, max_rounds=DEFAULT_ROUNDS):
-    """How many timed steps per configuration fit in `seconds`, in how many
-    rounds: `(steps, rounds)`.
-
-    A round costs each configuration one untimed step more; rounds get at
-    least `_STEPS_PER_ROUND` timed steps each (at least one round, at most
-    `max_rounds`). At least one step per round, however little time is
-    left; at most `MAX_BUDGET_STEPS`.
-
-    Args:
-        seconds: The time left for the timed rounds.
-        step_seconds: One step time per configuration (from the warm-up).
-        max_rounds: The most rounds.
-
-    >>> plan_steps(60.0, [0.1, 0.2, 0.3])  # 100 steps of all three fit.
-    (95, 5)
-    >>> plan_steps(6.0, [0.1, 0.2, 0.3])
-    (9, 1)
-    >>> plan_steps(0.0, [0.1, 0.2, 0.3])
-    (1, 1)
-    """
-    per_step = max(sum(step_seconds), 1e-9)
-    fitting = int(max(seconds, 0.0) / per_step + 1e-6)  # 0.6 / 0.2 -> 3
-    rounds = max(1, min(max_rounds, fitting // _STEPS_PER_ROUND))
-    steps = min(MAX_BUDGET_STEPS, max(rounds, fitting - rounds))
-    return steps, rounds
+# --- Progress -----------------------------------------------------------------
 
 
 class _Progress:
@@ -440,7 +379,7 @@ def run_benchmark(
         Configuration(p, loop, implementation, spec, batches, memory)
         for p, loop, implementation in plan
     ]
-    walls = _StepWalls()
+    walls = bench_plan.StepWalls()
     timings = timing.warm_up_all(
         configurations,
         warmup_min=warmup_steps if steps is not None else 1,
@@ -454,7 +393,7 @@ def run_benchmark(
     )
     if steps is None:
         seconds = walls.per_step(timings)
-        steps, rounds = _steps_for_budget(
+        steps, rounds = bench_plan.steps_for_budget(
             seconds, data, spec, budget_seconds - _since(started), rounds
         )
         progress.say(
@@ -509,52 +448,11 @@ def _count(number, word):
     return f"{number} {word}{'' if number == 1 else 's'}"
 
 
-class _StepWalls:
-    """What a warm-up step costs in all: the step and its record (a step's
-    time alone, without the record, would promise more steps than fit)."""
-
-    def __init__(self):
-        self._walls = {}
-        self._last = None
-
-    def observe(self, configuration, loss, seconds, timed):
-        configuration.record(loss, seconds, timed)
-        now = time.perf_counter()
-        if self._last is not None and self._last[0] is configuration:
-            # From the end of the step before to the end of this one.
-            walls = self._walls.setdefault(configuration.label, [])
-            walls.append(now - self._last[1])
-        self._last = (configuration, now)
-
-    def per_step(self, timings):
-        """Seconds per step of each configuration: the larger of its last
-        warm-up steps' time and their median wall time with the record."""
-        seconds = []
-        for label, timing_ in timings.items():
-            walls = self._walls.get(label, [])[-5:]
-            wall = sorted(walls)[len(walls) // 2] if walls else 0.0
-            seconds.append(max(timing_.warmup_last, wall))
-        return seconds
-
-
-def _steps_for_budget(step_seconds, data, spec, seconds_left, max_rounds):
-    """`plan_steps` on what is left after the evaluation (every training
-    and test example through the model once: about a third of a training
-    step per batch) and the garbage collections that start every turn
-    (`timing`), less a share for machines that slow down."""
-    examples = len(data[0]) + len(data[1])
-    evaluation = examples / spec.batch_size / 3 * sum(step_seconds)
-    started = time.perf_counter()
-    gc.collect()
-    turns = max_rounds * len(step_seconds) * (time.perf_counter() - started)
-    seconds = _BUDGET_SHARE * (seconds_left - evaluation - turns)
-    return plan_steps(seconds, step_seconds, max_rounds)
-
-
 __all__ = [
     "DEFAULT_BUDGET_SECONDS",
     "DEFAULT_MODEL",
     "DEFAULT_POLICIES",
+    "MAX_BUDGET_STEPS",
     "add_comparisons",
     "plan_configurations",
     "plan_steps",
