@@ -21,7 +21,6 @@ TENSORFLOW_ONLY_MODULES = (
     "kmp/core/fused.py",
     "kmp/patches/dense.py",
     "kmp/patches/mean.py",
-    "kmp/tools/bench.py",
 )
 BACKEND_MODULES = {
     "tensorflow": TENSORFLOW_ONLY_MODULES,

@@ -5,9 +5,11 @@ For the two benchmark models of `loss_scale_overhead.py` (the
 variables), under mixed_float16, one jitted training step of
 
 * Adam alone (the reference: no loss scaling),
-* `kmp.LossScaleOptimizer(Adam)`, and the same without the persistent-skips
-  report (`max_consecutive_skips=None`, which removes the host callback
-  from the jitted step),
+* `kmp.LossScaleOptimizer(Adam)`: in the loop as the README writes it, with
+  `check_persistent_skips(optimizer_values)` after every step; the same
+  with `check_persistent_skips_now` (which waits for every step, as the
+  check did before it became non-blocking); without the check; and with
+  `max_consecutive_skips=None` (no check at all, also not in `fit`),
 * Keras 3's own `keras.optimizers.LossScaleOptimizer(Adam)`,
 
 in `fit` (Keras's jitted `train_on_batch`) and in the JAX custom loop
@@ -16,11 +18,25 @@ Keras documents (`jax.value_and_grad` over `stateless_call`, then
 `stateless_unscale_gradients`, Keras's through gradients of the scaled loss,
 which its `stateless_apply` unscales). Overhead = step time over Adam
 alone's, minus one, measured round by round in one process
-(`kmp.tools.timing`). Then the bfloat16 speed-up: float32 over
-mixed_bfloat16 step time, Adam alone, same models.
+(`kmp.tools.timing`); beside it the ratio of the fastest timed calls and
+of the process's CPU time per step, which a busy machine disturbs less.
+Then the bfloat16 speed-up: float32 over mixed_bfloat16 step time, Adam
+alone, same models.
+
+A loop as users write it does not read anything after each step: the host
+dispatches the next step while the device runs this one. So in the loop
+every timed call runs `--chunk` steps (10) and waits for the last one's
+loss only: a check that waits for the device each step shows as the
+time it makes the host wait. (`fit` waits for every step anyway.)
+
+Last, the README loop's check on its own: blocks of 100 steps of the loop
+alone, with `check_persistent_skips` (the README), with
+`check_persistent_skips_now` (waiting for every step) and reading the loss
+every step, in rotating order (`--check-cost` blocks).
 
     KERAS_BACKEND=jax python benchmarks/jax_overhead.py [--quick]
-        [--models mlp,many_small] [--rounds 6] [--steps 10]
+        [--models mlp,many_small] [--rounds 6] [--steps 10] [--chunk 10]
+        [--check-cost 8] [--no-bfloat16]
 
 The same sizes as the TensorFlow benchmarks (MLP batch 256, many_small
 batch 64); `--quick` shrinks everything to a smoke run of seconds.
@@ -29,6 +45,7 @@ batch 64); `--quick` shrinks everything to a smoke run of seconds.
 import argparse
 import os
 import platform
+import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
@@ -51,7 +68,9 @@ GOALS = {"mlp": 0.03, "many_small": 0.10}  # issue 16: kmp's overhead
 CLASSES = 10
 LABELS = {
     "kmp": "kmp.LossScaleOptimizer",
-    "kmp_quiet": "  the same, max_consecutive_skips=None",
+    "kmp_waiting": "  the loop with check_persistent_skips_now",
+    "kmp_unchecked": "  the loop without check_persistent_skips",
+    "kmp_quiet": "  max_consecutive_skips=None",
     "keras": "keras.optimizers.LossScaleOptimizer",
 }
 
@@ -69,8 +88,10 @@ def make_optimizer(kind):
     adam = keras.optimizers.Adam(1e-4)
     if kind == "kmp":
         return kmp.LossScaleOptimizer(adam)
-    if kind == "kmp_quiet":  # no persistent-skips report (no host callback)
+    if kind == "kmp_quiet":  # no persistent-skips check anywhere
         return kmp.LossScaleOptimizer(adam, max_consecutive_skips=None)
+    if kind in ("kmp_unchecked", "kmp_waiting"):
+        return kmp.LossScaleOptimizer(adam)
     if kind == "keras":
         return keras.optimizers.LossScaleOptimizer(adam)
     return adam
@@ -79,8 +100,10 @@ def make_optimizer(kind):
 class Subject:
     """One configuration: a model, an optimizer and a jitted step."""
 
-    def __init__(self, name, sizes, policy, kind, loop):
+    def __init__(self, name, sizes, policy, kind, loop, chunk=1):
         self.label = f"{name} {policy} {kind} {loop}"
+        self.kind = kind
+        self.chunk = chunk
         keras.utils.set_random_seed(0)
         rng = np.random.default_rng(0)
         batch = sizes["batch"]
@@ -144,7 +167,13 @@ class Subject:
         return step
 
     def _custom_step(self):
-        self._state, loss = self._jitted(self._state, self.x, self.y)
+        for _ in range(self.chunk):
+            self._state, loss = self._jitted(self._state, self.x, self.y)
+            if self.kind in ("kmp", "kmp_quiet"):
+                # As the README's loop: after every step.
+                self.optimizer.check_persistent_skips(self._state[2])
+            elif self.kind == "kmp_waiting":  # Waits for every step.
+                self.optimizer.check_persistent_skips_now(self._state[2])
         return loss
 
 
@@ -159,8 +188,71 @@ def run(subjects, args):
     return timings
 
 
-def median_ms(t):
-    return 1000 * float(np.median(t.times))
+def cpu_ratio(a, b):
+    """a's median CPU time per step over b's: the work each step makes the
+    process do, which a busy machine disturbs less than the wall time."""
+    return float(np.median(a.cpu_times)) / float(np.median(b.cpu_times))
+
+
+def check_microseconds(subject, calls=300):
+    """The README loop's check after a step, on a state already computed:
+    its own cost, without the wait for the device."""
+    values = subject._state[2]
+    jax.block_until_ready(values)
+    subject.optimizer.check_persistent_skips(values)
+    start = time.perf_counter()
+    for _ in range(calls):
+        subject.optimizer.check_persistent_skips(values)
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def check_cost(name, sizes, blocks, steps):
+    """The README loop's check in the loop, variant by variant, on one
+    model and optimizer: `blocks` blocks of `steps` steps each, in rotating
+    order, each block waited for at its end only. Returns `{variant:
+    (median, fastest) ms per step}`."""
+    subject = Subject(name, sizes, "mixed_float16", "kmp_unchecked", "custom")
+    optimizer = subject.optimizer
+
+    def step():
+        subject._state, loss = subject._jitted(
+            subject._state, subject.x, subject.y
+        )
+        return loss
+
+    variants = {
+        "the step alone": step,
+        "+ check_persistent_skips (README)": lambda: (
+            step(),
+            optimizer.check_persistent_skips(subject._state[2]),
+        ),
+        "+ check_persistent_skips_now": lambda: (
+            step(),
+            optimizer.check_persistent_skips_now(subject._state[2]),
+        ),
+        "+ reading the loss": lambda: np.asarray(step()),
+    }
+    if not hasattr(optimizer, "check_persistent_skips_now"):
+        del variants["+ check_persistent_skips_now"]  # kmp before it
+    names = list(variants)
+    for function in variants.values():
+        for _ in range(5):
+            function()
+    jax.block_until_ready(subject._state)
+    times = {k: [] for k in names}
+    for block in range(blocks):
+        shift = block % len(names)
+        for key in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            for _ in range(steps):
+                variants[key]()
+            jax.block_until_ready(subject._state)
+            times[key].append((time.perf_counter() - start) / steps * 1e3)
+    return {k: (float(np.median(v)), min(v)) for k, v in times.items()}
+
+
+def median_ms(t, chunk=1):
+    return 1000 * float(np.median(t.times)) / chunk
 
 
 def main():
@@ -171,26 +263,62 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup-min", type=int, default=5)
     parser.add_argument("--warmup-max", type=int, default=40)
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=10,
+        help="loop steps per timed call; only the last one is waited for",
+    )
+    parser.add_argument(
+        "--no-bfloat16",
+        dest="bfloat16",
+        action="store_false",
+        help="skip the bfloat16 speed-up",
+    )
+    parser.add_argument(
+        "--check-cost",
+        type=int,
+        default=8,
+        metavar="BLOCKS",
+        help="blocks of 100 loop steps timing the check variant by variant "
+        "(0: skip)",
+    )
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps, args.warmup_min, args.warmup_max = 2, 3, 1, 3
+        args.chunk, args.check_cost = 2, 2
     sizes_of = QUICK_SIZES if args.quick else SIZES
     print(
         f"JAX {jax.__version__}, Keras {keras.__version__}, "
         f"devices {jax.devices()}, CPU {platform.processor() or '?'}"
     )
     print("overhead: step time / Adam alone's - 1, median over rounds")
-    kinds = ("adam", "kmp", "kmp_quiet", "keras")
+    print(f"the loop: {args.chunk} steps per timed call (--chunk)")
     for name in args.models.split(","):
         for loop in args.loops.split(","):
+            kinds = ["adam", "kmp", "kmp_waiting", "kmp_unchecked"]
+            kinds += ["kmp_quiet", "keras"]
+            if not hasattr(
+                kmp.LossScaleOptimizer, "check_persistent_skips_now"
+            ):
+                kinds.remove("kmp_waiting")  # kmp before it (to compare)
+            if loop == "fit":  # fit checks by itself, after every step
+                kinds = [k for k in kinds if k in ("adam", "kmp", "keras")]
+                kinds.insert(2, "kmp_quiet")
+            chunk = args.chunk if loop == "custom" else 1
             subjects = [
-                Subject(name, sizes_of[name], "mixed_float16", kind, loop)
+                Subject(
+                    name, sizes_of[name], "mixed_float16", kind, loop, chunk
+                )
                 for kind in kinds
             ]
             t = run(subjects, args)
             adam = t[subjects[0].label]
-            print(f"{name} / {loop}: Adam alone {median_ms(adam):.2f} ms")
+            print(
+                f"{name} / {loop}: Adam alone "
+                f"{median_ms(adam, chunk):.2f} ms/step"
+            )
             for subject, kind in zip(subjects[1:], kinds[1:]):
                 r = timing.ratio(t[subject.label], adam)
                 goal = ""
@@ -199,15 +327,42 @@ def main():
                     goal = f"  goal <= {GOALS[name]:+.0%}: " + (
                         "met" if met else "not met"
                     )
+                cpu = cpu_ratio(t[subject.label], adam)
+                fastest = min(t[subject.label].times) / min(adam.times)
                 print(
-                    f"  {LABELS[kind]:38} {r.median - 1:+7.1%} "
-                    f"[{r.low - 1:+.1%}, {r.high - 1:+.1%}]{goal}"
+                    f"  {LABELS[kind]:42} {r.median - 1:+7.1%} "
+                    f"[{r.low - 1:+.1%}, {r.high - 1:+.1%}], fastest "
+                    f"{fastest - 1:+.1%}, CPU time {cpu - 1:+.1%}{goal}"
                 )
+            if loop == "custom":
+                kmp_subject = subjects[kinds.index("kmp")]
+                print(
+                    "  check_persistent_skips(optimizer_values) alone: "
+                    f"{check_microseconds(kmp_subject):.0f} us a call"
+                )
+    if args.check_cost:
+        print(
+            "the check in the loop: ms/step, median [fastest] of "
+            f"{args.check_cost} blocks of 100 steps, each waited for at its "
+            "end"
+        )
+        for name in args.models.split(","):
+            costs = check_cost(name, sizes_of[name], args.check_cost, 100)
+            alone = costs["the step alone"]
+            for key, (median, fastest) in costs.items():
+                print(
+                    f"  {name:10} {key:35} {median:7.2f} [{fastest:.2f}]"
+                    f"  {median / alone[0] - 1:+.1%} "
+                    f"[{fastest / alone[1] - 1:+.1%}]"
+                )
+    if not args.bfloat16:
+        return
     print("bfloat16 speed-up: float32 step time / mixed_bfloat16's, Adam")
     for name in args.models.split(","):
         for loop in args.loops.split(","):
+            chunk = args.chunk if loop == "custom" else 1
             subjects = [
-                Subject(name, sizes_of[name], policy, "adam", loop)
+                Subject(name, sizes_of[name], policy, "adam", loop, chunk)
                 for policy in ("float32", "mixed_bfloat16")
             ]
             t = run(subjects, args)
@@ -215,8 +370,8 @@ def main():
             r = timing.ratio(f32, bf16)
             print(
                 f"{name:11} {loop:7} {r.median:.2f}x [{r.low:.2f}-"
-                f"{r.high:.2f}]   (float32 {median_ms(f32):.2f} ms, "
-                f"bfloat16 {median_ms(bf16):.2f} ms)"
+                f"{r.high:.2f}]   (float32 {median_ms(f32, chunk):.2f} ms, "
+                f"bfloat16 {median_ms(bf16, chunk):.2f} ms)"
             )
 
 

@@ -8,7 +8,8 @@ calls Keras 3 lacks, in their stateless form: `stateless_scale_loss` and
 step receives, so the compiled step always uses the current scale, and
 `stateless_apply` skips a step whose gradients overflowed. A jitted step
 cannot warn: `check_persistent_skips(optimizer_values)` after the step does
-(`fit` does it by itself).
+(`fit` does it by itself), without waiting for the step: it reports on the
+values once they reach the host, at most one step late.
 
     KERAS_BACKEND=jax python examples/jax_custom_loop.py
 
@@ -78,10 +79,13 @@ def main() -> None:
             batch = slice(start, start + BATCH_SIZE)
             state, loss = train_step(state, x_train[batch], y_train[batch])
             # Warns (or raises) after max_consecutive_skips skips in a row:
-            # the jitted step cannot, so the loop asks, with its own state.
+            # the jitted step cannot, so the loop asks, with its own state
+            # (the check does not wait for the device).
             optimizer.check_persistent_skips(state[2])
         losses.append(float(loss))
-    # Write the final state back into the model and the optimizer.
+    # The last step's check, waiting for it; then write the final state
+    # back into the model and the optimizer.
+    optimizer.check_persistent_skips_now(state[2])
     trainable, non_trainable, optimizer_values = state
     for variable, value in zip(model.trainable_variables, trainable):
         variable.assign(value)

@@ -1,13 +1,16 @@
-"""`kmp bench`: time and compare policies on a small classifier.
+"""`kmp bench`: time and compare policies on one model, on any backend.
 
 The benchmark itself is `kmp.tools.bench`; this module is its command line.
-`--backend` runs it on a given Keras backend: in a fresh process with
-`KERAS_BACKEND` set when that is not the backend of this one. For now the
-benchmark runs on TensorFlow only (see `UNSUPPORTED`).
+It runs on the Keras backend `--backend` names, else on the one Keras runs
+on or would pick (`choose_backend`), in a fresh process with
+`KERAS_BACKEND` set when this process already runs Keras on another.
+A backend that is not installed ends the command with one line saying
+what to install.
 """
 
 import argparse
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -17,35 +20,39 @@ from kmp_cli import arguments
 
 LOOPS = ("fit", "custom")
 BACKENDS = ("tensorflow", "jax", "torch")
+MODELS = ("digits", "mlp", "cnn", "transformer")
+SIZES = ("auto", "large", "small", "tiny")
 # The defaults of kmp.tools.bench.run_benchmark (a test keeps them equal),
 # here so that `kmp bench --help` imports no kmp.
 DEFAULT_POLICIES = "float32,mixed_bfloat16,mixed_float16"
-DEFAULT_STEPS = 400
-DEFAULT_BATCH_SIZE = 256
-DEFAULT_UNITS = 2048
+DEFAULT_MODEL = "digits"
+DEFAULT_SIZE = "auto"
+DEFAULT_BUDGET_SECONDS = 120.0
 DEFAULT_ROUNDS = 5
 DEFAULT_WARMUP_STEPS = 10
-# Why the benchmark does not run on the other backends yet.
-UNSUPPORTED = (
-    "the benchmark is written for TensorFlow: its custom loop is a "
-    "tf.function around a tf.GradientTape, its fit rows feed the train "
-    "function from a tf.data iterator, and its float16 rows switch off "
-    "TensorFlow's op fusion (tf.config.optimizer)"
-)
+# What to install for each backend (the module that must import).
+_INSTALL = {
+    "tensorflow": ("tensorflow", "pip install 'kmp[cpu]' (or 'kmp[gpu]')"),
+    "jax": ("jax", "pip install 'kmp[jax]'"),
+    "torch": ("torch", "pip install 'kmp[torch]'"),
+}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Registers `kmp bench` and its options on the `kmp` command line."""
     parser = subparsers.add_parser(
         "bench",
-        help="time and compare policies on a small classifier",
+        help="time and compare policies on one model, on any backend",
         description=(
-            "Train the same classifier on scikit-learn's digits under each "
-            "policy, with model.fit's train step and a custom GradientTape "
-            "loop, and compare step time, loss, accuracy and loss scaling. "
-            "Steps are timed one by one, after warm-up, in interleaved "
-            "rounds; the table shows medians with the interquartile range. "
-            "The defaults take one to two minutes on a 2-core CPU."
+            "Train the same model under each policy, with model.fit's "
+            "train step and the backend's custom loop (TensorFlow: a "
+            "GradientTape loop; JAX: the jitted stateless loop; torch: the "
+            "backward() loop, and plain PyTorch AMP beside it), and compare "
+            "step time, loss, accuracy and loss scaling. Steps are timed "
+            "one by one, after warm-up, in interleaved rounds; the table "
+            "shows medians with the interquartile range. Unless --steps "
+            "fixes them, the steps follow from the warm-up so that the run "
+            "takes about --budget seconds."
         ),
     )
     parser.add_argument(
@@ -64,40 +71,78 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         metavar="fit,custom",
         help="training loops to run (default: %(default)s)",
     )
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default=DEFAULT_MODEL,
+        help="the model: the digits classifier, or one sized for a GPU "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--size",
+        choices=SIZES,
+        default=DEFAULT_SIZE,
+        help="the model's size: large (for a GPU), small (a CPU), tiny "
+        "(tests); auto: large with a GPU (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=positive_seconds,
+        default=DEFAULT_BUDGET_SECONDS,
+        metavar="SECONDS",
+        help="about how long the run takes, when --steps is not given "
+        "(default: %(default)g)",
+    )
     for flag, default, text in (
-        ("--steps", DEFAULT_STEPS, "timed training steps per configuration"),
-        ("--batch-size", DEFAULT_BATCH_SIZE, "examples per step"),
-        ("--units", DEFAULT_UNITS, "width of the two hidden layers"),
-        (
-            "--rounds",
-            DEFAULT_ROUNDS,
-            "interleaved rounds the steps are split into",
-        ),
-        (
-            "--warmup",
-            DEFAULT_WARMUP_STEPS,
-            "untimed steps per configuration after its first call",
-        ),
-    ):
+        ("--steps", None, "timed steps per configuration (default: as "
+         "many as fit in --budget)"),
+        ("--batch-size", None, "examples per step (default: the model's)"),
+        ("--units", None, "the model's width: hidden units, filters or "
+         "model width (default: the model's)"),
+        ("--rounds", DEFAULT_ROUNDS, "interleaved rounds the steps are "
+         "split into (the most, without --steps) (default: %(default)s)"),
+        ("--warmup", DEFAULT_WARMUP_STEPS, "untimed steps per configuration "
+         "after its first call (the most, without --steps) (default: "
+         "%(default)s)"),
+    ):  # fmt: skip
         parser.add_argument(
             flag,
             type=arguments.positive_int,
             default=default,
             metavar="N",
-            help=f"{text} (default: %(default)s)",
+            help=text,
         )
     parser.add_argument(
         "--backend",
         choices=BACKENDS,
         default=None,
-        help="the Keras backend to run on (default: the current one, from "
-        "KERAS_BACKEND); only tensorflow is supported yet",
+        help="the Keras backend to run on (default: KERAS_BACKEND, else "
+        "Keras's configured one, else the first installed)",
     )
     parser.add_argument(
         "--no-native",
         dest="native",
         action="store_false",
         help="skip the comparison with Keras 3's own LossScaleOptimizer",
+    )
+    parser.add_argument(
+        "--no-torch-amp",
+        dest="torch_amp",
+        action="store_false",
+        help="on torch, skip plain PyTorch AMP (torch.autocast and "
+        "torch.amp.GradScaler)",
+    )
+    parser.add_argument(
+        "--overhead",
+        action="store_true",
+        help="also run the float16 policies without loss scaling, to show "
+        "what loss scaling costs",
+    )
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="measure each configuration's peak device memory (GPUs; JAX "
+        "also on a CPU)",
     )
     parser.add_argument(
         "--json",
@@ -118,44 +163,96 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def _run_elsewhere(args) -> int:
-    """Runs this same command in a new process on `args.backend`."""
-    environment = dict(os.environ, KERAS_BACKEND=args.backend)
+def positive_seconds(text: str) -> float:
+    """`text` as a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds > 0, got {text!r}"
+        )
+    return value
+
+
+def _configured_backend():
+    """The backend `keras.json` names (Keras writes it at its first run)."""
+    directory = os.environ.get("KERAS_HOME") or os.path.join(
+        os.path.expanduser("~"), ".keras"
+    )
+    try:
+        with open(os.path.join(directory, "keras.json")) as file:
+            return json.load(file).get("backend")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _installed(backend) -> bool:
+    return importlib.util.find_spec(_INSTALL[backend][0]) is not None
+
+
+def choose_backend(requested=None):
+    """The backend `kmp bench` runs on: `requested`, else the one Keras
+    already runs on in this process, else KERAS_BACKEND, else the one
+    `keras.json` names if it is installed, else the first installed of
+    TensorFlow, JAX and torch (None if none is)."""
+    if requested:
+        return requested
+    if "keras" in sys.modules:
+        return sys.modules["keras"].backend.backend()
+    if os.environ.get("KERAS_BACKEND"):
+        return os.environ["KERAS_BACKEND"]
+    configured = _configured_backend()
+    if configured in BACKENDS and _installed(configured):
+        return configured
+    return next((b for b in BACKENDS if _installed(b)), None)
+
+
+def _run_elsewhere(args, backend) -> int:
+    """Runs this same command in a new process on `backend`."""
+    environment = dict(os.environ, KERAS_BACKEND=backend)
     command = "import sys, kmp_cli; sys.exit(kmp_cli.main(sys.argv[1:]))"
     return subprocess.call(
         [sys.executable, "-c", command, *args.argv], env=environment
     )
 
 
+def _missing(text) -> int:
+    print(f"kmp bench: {text}", file=sys.stderr)
+    return 1
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs `kmp bench` with parsed arguments; prints tables and summary."""
     parser = args.bench_parser
-    if args.rounds > args.steps:
+    if args.steps is not None and args.rounds > args.steps:
         parser.error(
             f"argument --rounds: must be at most --steps ({args.steps}), "
             f"got {args.rounds}"
         )
-    if args.backend not in (None, "tensorflow"):
-        parser.error(
-            f"argument --backend: {args.backend} is not supported yet: "
-            f"{UNSUPPORTED}. Use --backend tensorflow."
+    backend = choose_backend(args.backend)
+    if backend is None:
+        return _missing(
+            "no Keras backend is installed: pip install 'kmp[cpu]', "
+            "'kmp[jax]' or 'kmp[torch]'"
         )
-    if args.backend and os.environ.get("KERAS_BACKEND") != args.backend:
-        return _run_elsewhere(args)
-    if importlib.util.find_spec("sklearn") is None:
-        print(
-            "kmp bench needs scikit-learn for its data set: "
-            "pip install 'kmp[bench]'",
-            file=sys.stderr,
+    if not _installed(backend):
+        module, install = _INSTALL[backend]
+        return _missing(
+            f"the {backend} backend needs {module}, which is not installed "
+            f"here: {install}"
         )
-        return 1
-    import keras
-
-    if keras.backend.backend() != "tensorflow":
-        parser.error(
-            f"Keras runs on {keras.backend.backend()!r} here, which kmp "
-            f"bench does not support yet: {UNSUPPORTED}. Use --backend "
-            "tensorflow."
+    if "keras" in sys.modules:
+        if sys.modules["keras"].backend.backend() != backend:
+            return _run_elsewhere(args, backend)
+    else:
+        os.environ["KERAS_BACKEND"] = backend
+    if args.model == "digits" and importlib.util.find_spec("sklearn") is None:
+        return _missing(
+            "the digits model needs scikit-learn for its data set: "
+            "pip install 'kmp[bench]' (or pick --model mlp, cnn or "
+            "transformer)"
         )
     from kmp.core.policy import POLICY_NAMES
 
@@ -165,6 +262,10 @@ def run(args: argparse.Namespace) -> int:
         parser.error(f"argument --policies: {error}")
     from kmp.tools import bench
     from kmp.tools import bench_report
+
+    problem = bench.unsupported(args.model, args.policies)
+    if problem:
+        parser.error(f"argument --policies: {problem}")
 
     started = time.perf_counter()
     results = bench.run_benchmark(
@@ -177,6 +278,12 @@ def run(args: argparse.Namespace) -> int:
         native=args.native,
         warmup_steps=args.warmup,
         verbose=not args.quiet,
+        model=args.model,
+        size=args.size,
+        budget_seconds=args.budget,
+        overhead=args.overhead,
+        torch_amp=args.torch_amp,
+        memory=args.memory,
     )
     wall_seconds = time.perf_counter() - started
     print()
@@ -186,14 +293,21 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nWall time: {wall_seconds:.0f} s.")
     if args.json:
         settings = {
+            "backend": backend,
+            "model": args.model,
+            "size": results[0]["size"],
             "policies": list(args.policies),
             "loops": list(args.loops),
-            "steps": args.steps,
-            "batch_size": args.batch_size,
-            "units": args.units,
-            "rounds": args.rounds,
+            "steps": results[0]["steps"],
+            "steps_fixed": args.steps is not None,
+            "budget_seconds": args.budget,
+            "batch_size": results[0]["batch_size"],
+            "units": results[0]["units"],
+            "rounds": results[0]["rounds"],
             "warmup_steps": args.warmup,
             "native": args.native,
+            "overhead": args.overhead,
+            "torch_amp": args.torch_amp,
             "wall_seconds": wall_seconds,
         }
         bench_report.write_json(results, args.json, settings)
@@ -204,4 +318,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "choose_backend", "run"]

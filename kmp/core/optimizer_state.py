@@ -172,34 +172,84 @@ class StateMixin:
         )
 
     def check_persistent_skips(self, optimizer_variables=None) -> None:
-        """Warns or raises now if too many steps in a row were skipped.
+        """Warns or raises if too many steps in a row were skipped.
 
         For steps compiled by XLA (`jit_compile=True` on TensorFlow, JAX's
         `jit`), which cannot warn or raise from inside: `fit` calls it after
         every step by itself (the `compile` patch); in a JAX loop over
-        `stateless_apply`, call it with the step's optimizer values, after
-        every step or every few hundred (it reads two numbers).
+        `stateless_apply`, call it with the step's optimizer values after
+        every step.
+
+        With a JAX loop's values it does not wait for the device: it starts
+        copying the two numbers it reads to the host and reports on those
+        that have arrived. The report on a step comes at this call if the
+        step has finished by then, else at the next call (which waits for
+        it): at most one step late, and the loop keeps running ahead of the
+        device. The last step of a loop is reported by a second call with
+        the same values, or by `check_persistent_skips_now`.
 
         Args:
             optimizer_variables: Values of `optimizer.variables` (a JAX
-                loop's state); None reads the variables.
+                loop's state); None reads the variables, now.
 
         Raises:
             FloatingPointError: with `on_persistent_skips="raise"`.
         """
         if self._max_consecutive_skips is None:
             return
-        if optimizer_variables is not None:
-            values = dict(zip(map(id, self.variables), optimizer_variables))
-            in_a_row = values[id(self.consecutive_skips_variable)]
-            scale = values[id(self.dynamic_scale)]
-        else:
+        if optimizer_variables is None:
             variables = (self.consecutive_skips_variable, self.dynamic_scale)
             if any(getattr(v, "_value", True) is None for v in variables):
                 return  # Held by Keras's JAX trainer: fit checks its state.
-            in_a_row, scale = variables
+            self.report_persistent_skips(
+                *(ops.convert_to_numpy(v) for v in variables)
+            )
+            return
+        in_a_row, scale = self._skip_values(optimizer_variables)
+        if backend.is_jax():
+            from kmp.core import jax_skips
+
+            if jax_skips.is_jax_array(in_a_row):
+                pending = self.__dict__.get("_pending_skip_checks")
+                if pending is None:
+                    pending = jax_skips.PendingChecks()
+                    object.__setattr__(self, "_pending_skip_checks", pending)
+                pending.add(in_a_row, scale)
+                for values in pending.arrived():
+                    self.report_persistent_skips(*values)
+                return
         self.report_persistent_skips(
             ops.convert_to_numpy(in_a_row), ops.convert_to_numpy(scale)
+        )
+
+    def check_persistent_skips_now(self, optimizer_variables) -> None:
+        """`check_persistent_skips(optimizer_variables)`, waiting for them:
+        what `fit` does after every step on JAX, so that "raise" stops it at
+        the step that reaches the limit (Keras's fit waits for every step's
+        logs anyway)."""
+        if self._max_consecutive_skips is None:
+            return
+        in_a_row, scale = self._skip_values(optimizer_variables)
+        self.report_persistent_skips(
+            ops.convert_to_numpy(in_a_row), ops.convert_to_numpy(scale)
+        )
+
+    def _skip_values(self, optimizer_variables):
+        """Skips in a row and the scale among the values of `variables`."""
+        if not isinstance(optimizer_variables, (list, tuple)):
+            optimizer_variables = list(optimizer_variables)
+        own = self._variables  # First in `variables`, in a fixed order.
+        expected = len(own) + len(self._inner_optimizer.variables)
+        if len(optimizer_variables) != expected:
+            raise ValueError(
+                "'optimizer_variables' must hold one value per variable of "
+                f"optimizer.variables ({expected}). Received "
+                f"{len(optimizer_variables)} values."
+            )
+        wanted = (self.consecutive_skips_variable, self.dynamic_scale)
+        return tuple(
+            optimizer_variables[next(i for i, v in enumerate(own) if v is w)]
+            for w in wanted
         )
 
     # --- Saving and restoring -----------------------------------------------

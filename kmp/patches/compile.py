@@ -34,9 +34,9 @@ does, so the logs show the overflow. A model whose `train_step` is its own
 Where a kmp optimizer's step cannot report persistent skips from inside
 itself (`jit_compile=True` on TensorFlow: XLA runs no Python; every JAX
 step), `fit`'s train function calls `optimizer.check_persistent_skips()`
-after every call (on JAX with the optimizer values the step returned), so
-the warning appears and "raise" stops `fit`, with or without
-`LossScaleMonitor`.
+after every call (on JAX `check_persistent_skips_now` with the optimizer
+values the step returned), so the warning appears and "raise" stops `fit`
+at the step that reaches the limit, with or without `LossScaleMonitor`.
 """
 
 import importlib
@@ -138,7 +138,7 @@ def make_train_function(original, self, force=False):
                 return outputs
             # (logs, state), the optimizer's values in state[2].
             try:
-                optimizer.check_persistent_skips(outputs[1][2])
+                optimizer.check_persistent_skips_now(outputs[1][2])
             except FloatingPointError:
                 _write_back(self, outputs[1])  # fit stops mid-epoch
                 raise

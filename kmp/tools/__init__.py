@@ -8,8 +8,10 @@
   `audit_report`, `audit_plot`), with `gradients`, the one part written per
   backend (`tf_gradients`, `jax_gradients`, `torch_gradients`);
 - `doctor`: the machine and the policy that suits it;
-- `bench`: policies timed and compared on a small classifier
-  (`bench_report`), with `timing`, the toolkit `benchmarks/` uses too;
+- `bench`: policies timed and compared on one model, on every backend
+  (`bench_models`, `bench_plan`, `bench_configuration`, `bench_report`;
+  the steps of each backend in `tf_bench`, `jax_bench`, `torch_bench`),
+  with `timing`, the toolkit `benchmarks/` uses too;
 - `monitor`: the loss scale in `fit`'s logs (`monitor_output`: TensorBoard
   and CSV); `testing`: fault injection;
 - shared: `models` (walking a model's graph), `tables` (text tables).

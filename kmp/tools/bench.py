@@ -1,89 +1,66 @@
 """`kmp bench`: how fast and how well each dtype policy trains, measured fairly.
 
-The same small classifier (Dense -> Dense -> Dense logits -> a float32 softmax)
-trains on scikit-learn's bundled digits under every requested policy, with
-`model.fit`'s train step and with a custom `tf.GradientTape` loop. Policies
-that compute in float16 use `kmp.LossScaleOptimizer` (`get_scaled_loss`,
-`get_unscaled_gradients`, `apply_gradients` in the custom loop); the others
-use the plain optimizer. With `native=True` the loss-scaled configurations
-run a second time with Keras 3's own `keras.optimizers.LossScaleOptimizer`,
-so the cost of kmp shows as a ratio. The other policies run the same Keras
-code with or without kmp, so they have no native twin.
+The same model trains under every requested policy, with `model.fit`'s
+train step and with the custom loop of Keras's backend: a `tf.function`
+around a `tf.GradientTape` on TensorFlow, the jitted `stateless_apply`
+loop on JAX, the `backward()` loop on torch (`tf_bench`, `jax_bench`,
+`torch_bench`). By default the model is the digits classifier (Dense ->
+Dense -> Dense logits -> a float32 softmax on scikit-learn's digits);
+`mlp`, `cnn` and `transformer` are sized for a GPU (`bench_models`).
+
+Policies that compute in float16 use `kmp.LossScaleOptimizer`; the others
+the plain optimizer. With `native=True` the loss-scaled configurations run
+a second time with Keras 3's own `keras.optimizers.LossScaleOptimizer`, so
+kmp's cost shows as a ratio; with `overhead=True` they run a third time
+without loss scaling, so what loss scaling costs shows too. On torch plain
+PyTorch AMP (`torch.autocast`, `torch.amp.GradScaler`) trains the same
+network beside them (`torch_amp=True`).
 
 Steps are timed by `kmp.tools.timing` (the toolkit `benchmarks/` uses too):
 every configuration is warmed up first (tracing and the first steps are not
 timed), then the timed steps run in interleaved rounds whose order rotates,
 each step timed on its own up to reading its loss; the tables show medians
-with the interquartile range. The `fit` rows time the train function `fit`
-runs for every batch (`model.make_train_function()`), fed by a distributed
-`tf.data` iterator as in `fit`; only `fit`'s callbacks and progress bar are
-left out.
+with the interquartile range. Every configuration trains on the same
+batches in the same order, the same number of steps, from the same weights.
 
-Every configuration trains on the same batches in the same order, the same
-number of steps, from the same weights. Neither path uses XLA
-(`jit_compile=False`), so `fit` and the custom loop compile alike on every
-machine. TensorFlow backend only: the custom loop is a `tf.function` with a
-`tf.GradientTape`, the `fit` path feeds a `tf.data` iterator, and float16
-configurations turn TensorFlow's op fusion off (`FLOAT16_FUSION_NOTE`).
+Without a fixed number of steps the run fits a time budget (two minutes by
+default): after the warm-up, the step times measured there decide how many
+steps fit in what is left (`plan_steps`).
 """
 
-import contextlib
+import time
 from typing import Dict
 from typing import List
+from typing import Optional
 from typing import Sequence
 
 import keras
 import numpy as np
 
-import kmp
-from kmp.core.backend import tensorflow as _tensorflow
+from kmp.core import backend
 from kmp.core.policy import POLICY_NAMES
-from kmp.core.policy import policy_scope
+from kmp.tools import bench_models
+from kmp.tools import bench_plan
 from kmp.tools import timing
-from kmp.tools.bench_report import LOOP_WORDS
+from kmp.tools.bench_configuration import Configuration
+from kmp.tools.bench_configuration import backend_module
+from kmp.tools.bench_configuration import needs_loss_scaling
+from kmp.tools.bench_plan import MAX_BUDGET_STEPS
+from kmp.tools.bench_plan import plan_configurations
+from kmp.tools.bench_plan import plan_steps
 from kmp.tools.bench_report import LOOPS
 
-tf = _tensorflow()
-
 DEFAULT_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
-# Sized so that the default run takes one to two minutes on a 2-core CPU
-# and the matrix products are large enough for 16-bit compute to matter.
-DEFAULT_STEPS = 400
-DEFAULT_BATCH_SIZE = 256
-DEFAULT_UNITS = 2048
+DEFAULT_MODEL = "digits"
+DEFAULT_SIZE = "auto"
+# The whole run, from loading the data to the evaluation, when the steps
+# are not fixed; the warm-up may take a quarter of it.
+DEFAULT_BUDGET_SECONDS = 120.0
+_WARMUP_SHARE = 0.25
+# The most timing rounds; fewer when few steps fit (each round costs every
+# configuration one untimed step).
 DEFAULT_ROUNDS = 5
 DEFAULT_WARMUP_STEPS = 10
-
-_SEED = 0
-_CLASSES = 10
-
-
-def _needs_loss_scaling(policy: str) -> bool:
-    """Loss scaling is for float16 compute, where small gradients underflow."""
-    return kmp.Policy(policy).compute_dtype == "float16"
-
-
-@contextlib.contextmanager
-def _op_fusion(policy):
-    """Turns TensorFlow's op fusion ('remapping') off for float16 compute.
-
-    On CPUs its fused float16 MatMul + BiasAdd kernel is far slower than the
-    plain ops (benchmarks/README.md), which would make float16 look far
-    worse than it is; float32 and bfloat16 keep the fusion, as users get it.
-    The option is read at every call, so it can change between
-    configurations.
-    """
-    options = tf.config.optimizer.get_experimental_options()
-    compute = kmp.Policy(policy).compute_dtype
-    on_cpu = not tf.config.list_physical_devices("GPU")
-    if on_cpu and compute == "float16":
-        tf.config.optimizer.set_experimental_options({"remapping": False})
-    try:
-        yield
-    finally:
-        tf.config.optimizer.set_experimental_options(
-            {"remapping": options.get("remapping", True)}
-        )
 
 
 # --- Validation ---------------------------------------------------------------
@@ -124,57 +101,44 @@ def _check_count(value, argument, minimum=1):
     return value
 
 
-# --- Data and model -----------------------------------------------------------
-
-
-def _load_digits():
-    """The bundled digits, split 75/25 with a fixed seed, scaled to [0, 1]."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    digits = load_digits()
-    x = (digits.data / 16.0).astype("float32")  # Pixel values are 0..16.
-    y = digits.target.astype("int32")
-    return train_test_split(
-        x, y, test_size=0.25, random_state=_SEED, stratify=y
-    )
-
-
-class _Batches:
-    """`steps` batches, one shuffled pass after another, made once.
-
-    `x`, `y`: all of them, stacked (for `tf.data`); `x_list`, `y_list`: one
-    tensor per batch, so that a step takes its batch without an op.
-    """
-
-    def __init__(self, x, y, steps, batch_size):
-        rng = np.random.default_rng(_SEED)
-        needed = steps * batch_size
-        passes = -(-needed // len(x))
-        order = np.concatenate([rng.permutation(len(x)) for _ in range(passes)])
-        order = order[:needed].reshape(steps, batch_size)
-        self.x, self.y = tf.constant(x[order]), tf.constant(y[order])
-        self.x_list, self.y_list = tf.unstack(self.x), tf.unstack(self.y)
-
-
-def _build_model(policy, units, features):
-    # Seeded initialisers: every configuration starts from the same weights,
-    # without touching the global random state.
-    def dense(width, seed, activation=None):
-        return keras.layers.Dense(
-            width,
-            activation=activation,
-            kernel_initializer=keras.initializers.GlorotUniform(seed=seed),
+def _check_budget(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            "'budget_seconds' must be a number of seconds > 0. Received: "
+            f"budget_seconds={value!r} of type {type(value).__name__}"
         )
+    if not value > 0:
+        raise ValueError(
+            "'budget_seconds' must be a number of seconds > 0. Received: "
+            f"budget_seconds={value!r}"
+        )
+    return float(value)
 
-    with policy_scope(policy):
-        inputs = keras.Input(shape=(features,))
-        hidden = dense(units, 1, "relu")(inputs)
-        hidden = dense(units, 2, "relu")(hidden)
-        logits = dense(_CLASSES, 3)(hidden)
-        # The softmax and the model's output stay float32 under every policy.
-        outputs = keras.layers.Activation("softmax", dtype="float32")(logits)
-        return keras.Model(inputs, outputs, name=f"digits_{policy}")
+
+# --- Progress -----------------------------------------------------------------
+
+
+class _Progress:
+    """A Keras progress bar with the time left, or nothing when quiet."""
+
+    def __init__(self, verbose):
+        self._verbose = verbose
+        self._bar = None
+
+    def say(self, text):
+        if self._verbose:
+            print(text, flush=True)
+
+    def start(self, target, unit):
+        if self._verbose:
+            self._bar = keras.utils.Progbar(target, unit_name=unit)
+
+    def advance(self, count=1):
+        if self._bar is not None:
+            self._bar.add(count)
+
+
+# --- Results ------------------------------------------------------------------
 
 
 def _cross_entropy(probabilities, labels):
@@ -182,146 +146,46 @@ def _cross_entropy(probabilities, labels):
     return float(-np.mean(np.log(np.clip(picked, 1e-7, 1.0))))
 
 
-# --- Configurations -----------------------------------------------------------
+def _predict(model, x, batch_size):
+    chunk = max(4 * batch_size, 2048)
+    return np.concatenate(
+        [
+            keras.ops.convert_to_numpy(
+                model(x[start : start + chunk], training=False)
+            )
+            for start in range(0, len(x), chunk)
+        ]
+    )
 
 
-class _Configuration:
-    """One model, optimizer and loop: a `timing` subject, and its record."""
-
-    def __init__(self, policy, loop, implementation, units, batches):
-        self.policy = policy
-        self.loop = loop
-        self.implementation = implementation
-        self.loss_scaled = _needs_loss_scaling(policy)
-        self.model = _build_model(policy, units, batches.x.shape[-1])
-        inner = keras.optimizers.Adam(learning_rate=1e-3)
-        if not self.loss_scaled:
-            self.optimizer = inner
-        elif implementation == "kmp":
-            self.optimizer = kmp.LossScaleOptimizer(inner)
-        else:
-            self.optimizer = keras.optimizers.LossScaleOptimizer(inner)
-        self.loss_fn = keras.losses.SparseCategoricalCrossentropy()
-        self.label = f"{policy} / {LOOP_WORDS[loop]} / {implementation}"
-        self.step_seconds = []  # Timed steps only.
-        self.losses = []  # Every step's batch loss, warm-up included.
-        self.loss_scales = []  # The scale after every step, when loss-scaled.
-        self.skipped_at = []  # The (1-based) steps that were skipped.
-        self._skipped_so_far = 0
-        self.steps_run = 0
-        if loop == "fit":
-            self._run = self._fit_step(batches)
-        else:
-            self._run = self._custom_step(batches)
-
-    def _custom_step(self, batches):
-        model, optimizer, loss_fn = self.model, self.optimizer, self.loss_fn
-        variables = model.trainable_variables
-        # Built before tracing, so the step reads the optimizer's variables
-        # (the loss scale included) rather than their initial values.
-        optimizer.build(variables)
-        protocol = "plain"
-        if self.loss_scaled:
-            protocol = self.implementation
-
-        @tf.function(jit_compile=False)
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                loss = loss_fn(y, model(x, training=True))
-                if protocol == "kmp":
-                    target = optimizer.get_scaled_loss(loss)
-                elif protocol == "native":
-                    # Keras 3's protocol: apply_gradients unscales by itself.
-                    target = optimizer.scale_loss(loss)
-                else:
-                    target = loss
-            grads = tape.gradient(target, variables)
-            if protocol == "kmp":
-                grads = optimizer.get_unscaled_gradients(grads)
-            optimizer.apply_gradients(zip(grads, variables))
-            return loss
-
-        def run():
-            index = self.steps_run
-            return step(batches.x_list[index], batches.y_list[index])
-
-        return run
-
-    def _fit_step(self, batches):
-        # An explicit loss-scale optimizer is used as it is: kmp's own for
-        # the kmp rows, Keras's for the native ones.
-        self.model.compile(
-            optimizer=self.optimizer, loss=self.loss_fn, jit_compile=False
-        )
-        dataset = tf.data.Dataset.from_tensor_slices((batches.x, batches.y))
-        strategy = self.model.distribute_strategy
-        iterator = iter(strategy.experimental_distribute_dataset(dataset))
-        self.model.make_train_function()
-        train_function = self.model.train_function
-
-        def run():
-            return train_function(iterator)["loss"]
-
-        return run
-
-    def step(self):
-        """Runs the next training step; returns its loss (a tensor)."""
-        return self._run()
-
-    def record(self, loss, seconds, timed):
-        """Keeps what one step did (called after it, off the clock)."""
-        self.losses.append(float(loss))
-        if timed:
-            self.step_seconds.append(seconds)
-        self.steps_run += 1
-        if self.loss_scaled:
-            self.loss_scales.append(self.current_loss_scale())
-            skipped = self.skipped_steps()
-            if skipped > self._skipped_so_far:
-                self.skipped_at.append(self.steps_run)
-                self._skipped_so_far = skipped
-        if self.loop == "fit":
-            # fit logs the loss averaged since the last reset: reset it so
-            # that the next step logs its own.
-            self.model.reset_metrics()
-
-    def current_loss_scale(self):
-        if self.implementation == "kmp":
-            return float(self.optimizer.loss_scale)
-        return float(np.asarray(self.optimizer.dynamic_scale))
-
-    def skipped_steps(self):
-        if self.implementation == "kmp":
-            return int(self.optimizer.skipped_steps)
-        # Keras's optimizer counts no skips, but a skipped step does not
-        # advance the inner optimizer's iterations.
-        applied = int(np.asarray(self.optimizer.inner_optimizer.iterations))
-        return self.steps_run - applied
-
-
-# --- The benchmark ------------------------------------------------------------
-
-
-def _result(configuration, data, batch_size, units, warmup_steps):
+def _result(configuration, data, spec, warmed, device):
     x_train, x_test, y_train, y_test = data
-    model = configuration.model
-    train_probabilities = np.asarray(model(x_train, training=False))
-    test_probabilities = np.asarray(model(x_test, training=False))
+    configuration.finish()
+    model, batch_size = configuration.model, spec.batch_size
+    train_probabilities = _predict(model, x_train, batch_size)
+    test_probabilities = _predict(model, x_test, batch_size)
     accuracy = float(np.mean(test_probabilities.argmax(axis=1) == y_test))
     measured = timing.Timing(
         configuration.label, times=configuration.step_seconds
     )
     low, q1, median, q3, high = (t * 1000.0 for t in measured.quantiles())
     scaled = configuration.loss_scaled
+    peak = configuration.peak_bytes
     return {
         "policy": configuration.policy,
         "loop": configuration.loop,
         "implementation": configuration.implementation,
         "loss_scaling": scaled,
-        "device": "gpu" if tf.config.list_physical_devices("GPU") else "cpu",
+        "backend": backend.name(),
+        "device": device,
+        "model": spec.name,
+        "size": spec.size,
         "batch_size": batch_size,
-        "units": units,
-        "warmup_steps": warmup_steps,
+        "units": spec.width,
+        "warmup_steps": warmed.warmup_steps,
+        "first_call_seconds": warmed.trace_seconds,
+        "warmup_ms": warmed.warmup_last * 1000.0,
+        "rounds": len(warmed.round_medians),
         "steps": len(measured.times),
         "step_times_ms": [seconds * 1000.0 for seconds in measured.times],
         "median_ms": median,
@@ -332,6 +196,9 @@ def _result(configuration, data, batch_size, units, warmup_steps):
         "samples_per_second": batch_size / (median / 1000.0),
         "speedup_vs_float32": None,
         "kmp_over_native": None,
+        "kmp_over_torch": None,
+        "loss_scaling_overhead": None,
+        "peak_memory_mb": None if peak is None else peak / 2**20,
         "final_loss": _cross_entropy(train_probabilities, y_train),
         "test_accuracy": accuracy,
         "losses": list(configuration.losses),
@@ -344,152 +211,251 @@ def _result(configuration, data, batch_size, units, warmup_steps):
     }
 
 
+def _side(result):
+    """Keras's side or plain PyTorch's: each has its own float32 row."""
+    return "torch" if result["implementation"].startswith("torch") else "keras"
+
+
 def add_comparisons(results: List[Dict]) -> None:
-    """Fills in the speed-up vs float32 and, on native rows, kmp / native."""
-    float32_ms = {
-        r["loop"]: r["median_ms"]
-        for r in results
-        if r["policy"] == "float32" and r["implementation"] == "kmp"
-    }
-    kmp_ms = {
-        (r["policy"], r["loop"]): r["median_ms"]
-        for r in results
-        if r["implementation"] == "kmp"
-    }
+    """Fills in the ratios: the speed-up over float32 (on the same side,
+    Keras's or plain PyTorch's, in the same loop), kmp / native and kmp /
+    PyTorch AMP on those rows, and on loss-scaled rows their step time over
+    the same policy's without loss scaling, minus one."""
+    float32_ms, kmp_ms, unscaled_ms = {}, {}, {}
     for r in results:
-        if r["loop"] in float32_ms:
-            r["speedup_vs_float32"] = float32_ms[r["loop"]] / r["median_ms"]
-        if r["implementation"] == "native":
-            mine = kmp_ms.get((r["policy"], r["loop"]))
-            if mine is not None:
-                r["kmp_over_native"] = mine / r["median_ms"]
+        side = _side(r)
+        if r["policy"] == "float32" and r["implementation"] in ("kmp", "torch"):
+            float32_ms[(side, r["loop"])] = r["median_ms"]
+        if r["implementation"] == "kmp":
+            kmp_ms[(r["policy"], r["loop"])] = r["median_ms"]
+        if r["implementation"] in ("unscaled", "torch_unscaled"):
+            unscaled_ms[(side, r["policy"], r["loop"])] = r["median_ms"]
+    for r in results:
+        side, key = _side(r), (r["policy"], r["loop"])
+        reference = float32_ms.get((side, r["loop"]))
+        if reference is not None:
+            r["speedup_vs_float32"] = reference / r["median_ms"]
+        mine = kmp_ms.get(key)
+        if mine is not None and r["implementation"] == "native":
+            r["kmp_over_native"] = mine / r["median_ms"]
+        if mine is not None and r["implementation"] == "torch":
+            r["kmp_over_torch"] = mine / r["median_ms"]
+        unscaled = unscaled_ms.get((side, *key))
+        if r.get("loss_scaling") and unscaled is not None:
+            r["loss_scaling_overhead"] = r["median_ms"] / unscaled - 1.0
+
+
+# --- The benchmark ------------------------------------------------------------
 
 
 def run_benchmark(
     policies: Sequence[str] = DEFAULT_POLICIES,
     loops: Sequence[str] = LOOPS,
-    steps: int = DEFAULT_STEPS,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    units: int = DEFAULT_UNITS,
+    steps: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    units: Optional[int] = None,
     rounds: int = DEFAULT_ROUNDS,
     native: bool = True,
     warmup_steps: int = DEFAULT_WARMUP_STEPS,
     verbose: bool = True,
+    model: str = DEFAULT_MODEL,
+    size: str = DEFAULT_SIZE,
+    budget_seconds: float = DEFAULT_BUDGET_SECONDS,
+    overhead: bool = False,
+    torch_amp: bool = True,
+    memory: bool = False,
 ) -> List[Dict]:
-    """Trains the digits classifier under each policy and loop, and times it.
+    """Trains `model` under each policy and loop, and times it.
 
-    Builds every configuration (policy x loop, plus Keras's own loss scaling
-    for the float16 policies when `native`), warms each up with its first
-    call and `warmup_steps` more untimed steps, then runs `steps` timed steps
-    of each, split into `rounds` interleaved rounds, each round starting
-    each configuration with one untimed step (`kmp.tools.timing.measure`).
-    Changes no global state: policies are set with `kmp.policy_scope` while
-    each model is built.
+    Builds every configuration (`plan_configurations`), warms each up with
+    its first call and up to `warmup_steps` more untimed steps, then runs
+    the timed steps of each in interleaved rounds, each round starting each
+    configuration with one untimed step (`kmp.tools.timing`). With `steps`
+    that is `steps` timed steps in `rounds` rounds and exactly
+    `warmup_steps` warm-up steps; without, the whole run fits in about
+    `budget_seconds`: the warm-up stops early if it would take more than a
+    quarter of it, and `plan_steps` decides the steps and rounds (at most
+    `rounds`) from the step times it measured. Changes no global state:
+    policies are set with `kmp.policy_scope` while each model is built.
 
     Args:
         policies: Policy names, from `kmp.core.policy.POLICY_NAMES`.
         loops: `"fit"` and/or `"custom"`.
-        steps: Timed training steps per configuration.
-        batch_size: Examples per step.
-        units: Width of the two hidden layers.
-        rounds: How many interleaved rounds the timed steps are split into; at
+        steps: Timed training steps per configuration; None: from the
+            budget.
+        batch_size: Examples per step (None: the model's).
+        units: The model's width (None: the model's; see `bench_models`).
+        rounds: Interleaved rounds (the most rounds without `steps`); at
             most `steps`.
         native: Also run the loss-scaled policies with
             `keras.optimizers.LossScaleOptimizer`.
         warmup_steps: Untimed steps per configuration after its first call
-            and before the rounds.
-        verbose: Print what runs when.
+            and before the rounds (the most, without `steps`).
+        verbose: Print what runs, with progress bars and the time left.
+        model: One of `bench_models.MODELS`.
+        size: One of `bench_models.SIZES` (`"auto"`: `"large"` on a GPU).
+        budget_seconds: The time the whole run should take without `steps`.
+        overhead: Also run the loss-scaled policies without loss scaling
+            (and, on torch, plain PyTorch AMP without `GradScaler`).
+        torch_amp: On torch, also train with plain PyTorch AMP.
+        memory: Measure each configuration's peak device memory (see the
+            backend modules; on a CPU only JAX measures it).
 
     Returns:
-        One dict per configuration, kmp rows first in the order requested,
-        then native rows. Keys: `policy`, `loop`, `implementation` (`"kmp"`
-        or `"native"`), `loss_scaling`, `step_times_ms` (every timed step),
-        `median_ms`, `q1_ms`, `q3_ms`, `min_ms`, `max_ms`,
-        `samples_per_second`, `speedup_vs_float32` (None without a float32
-        run), `kmp_over_native` (native rows), `final_loss` (cross-entropy on
-        the whole training set after training), `test_accuracy` (a fraction),
-        `losses` (every step's batch loss, untimed steps included),
-        `loss_scales`, `final_loss_scale`, `skipped_steps` (None without loss
-        scaling), and the settings `batch_size`, `units`, `warmup_steps`,
-        `steps`.
+        One dict per configuration, in the order of `plan_configurations`.
+        Keys: `policy`, `loop`, `implementation`, `loss_scaling`, `device`,
+        `model`, `size`, `step_times_ms` (every timed step), `median_ms`,
+        `q1_ms`, `q3_ms`, `min_ms`, `max_ms`, `samples_per_second`, the
+        ratios of `add_comparisons` (None where they do not apply),
+        `peak_memory_mb`, `final_loss` (cross-entropy on the whole training
+        set after training), `test_accuracy` (a fraction), `losses` (every
+        step's batch loss, untimed steps included), `loss_scales`,
+        `final_loss_scale`, `skipped_steps` (None without loss scaling), and
+        the settings `batch_size`, `units`, `warmup_steps`, `rounds`,
+        `steps`, `first_call_seconds`, `warmup_ms`.
 
     Raises:
         TypeError: an argument has the wrong type.
-        ValueError: an unknown policy or loop, a count below 1, or more
-            rounds than steps.
+        ValueError: an unknown policy, loop, model or size, a count below
+            1, or more rounds than steps; the transformer under a float16
+            policy on JAX's CPU backend (which Keras's attention does not
+            support).
+        ImportError: the digits need scikit-learn.
 
     Example:
 
     >>> results = run_benchmark(
     ...     ["float32"], ["custom"], steps=2, batch_size=8, units=4,
-    ...     rounds=1, warmup_steps=1, verbose=False)
+    ...     rounds=1, warmup_steps=1, verbose=False, torch_amp=False)
     >>> [(r["policy"], r["loop"], r["steps"], len(r["losses"]))
     ...  for r in results]
     [('float32', 'custom', 2, 5)]
     """
+    started = time.perf_counter()
     policies = _check_names(policies, POLICY_NAMES, "policies")
     loops = _check_names(loops, LOOPS, "loops")
-    for value, argument in (
-        (steps, "steps"),
-        (batch_size, "batch_size"),
-        (units, "units"),
-        (rounds, "rounds"),
-        (warmup_steps, "warmup_steps"),
-    ):
-        _check_count(value, argument)
-    if rounds > steps:
+    counts = {"rounds": rounds, "warmup_steps": warmup_steps}
+    counts.update(steps=steps, batch_size=batch_size, units=units)
+    for argument, value in counts.items():
+        if value is not None or argument == "rounds":
+            _check_count(value, argument)
+    budget_seconds = _check_budget(budget_seconds)
+    if steps is not None and rounds > steps:
         raise ValueError(
             "'rounds' must be at most 'steps': every round runs at least one "
             f"step. Received: rounds={rounds}, steps={steps}"
         )
-
-    data = _load_digits()
+    module = backend_module()
+    device = module.device()
+    spec = bench_models.model_spec(
+        model, size, units, batch_size, gpu=device == "gpu"
+    )
+    problem = unsupported(spec.name, policies)
+    if problem:
+        raise ValueError(f"{problem} Received: policies={tuple(policies)!r}")
+    data = bench_models.load_data(spec)
     x_train, _, y_train, _ = data
     # The first call, the warm-up, one untimed step per round, the timed.
-    total = 1 + warmup_steps + rounds + steps
-    batches = _Batches(x_train, y_train, total, batch_size)
-
-    plan = [(p, loop, "kmp") for p in policies for loop in loops]
-    if native:
-        plan += [
-            (p, loop, "native")
-            for p in policies
-            if _needs_loss_scaling(p)
-            for loop in loops
-        ]
-    log = print if verbose else None
-    if verbose:
-        print(
-            f"Building and warming up {len(plan)} configurations (the first "
-            f"call and {warmup_steps} more untimed steps each)...",
-            flush=True,
+    needed = None if steps is None else 1 + warmup_steps + rounds + steps
+    batches = bench_models.Batches(
+        x_train, y_train, spec.batch_size, max_batches=needed or 512
+    )
+    plan = plan_configurations(
+        policies, loops, native, overhead, torch_amp, device
+    )
+    progress = _Progress(verbose)
+    progress.say(
+        f"kmp bench: {bench_models.describe(spec)}; Keras on "
+        f"{backend.name()} ({device}); {_count(len(plan), 'configuration')}."
+    )
+    if steps is None:
+        progress.say(
+            f"Time budget: {budget_seconds:.0f} s (--budget); the steps "
+            "follow from the warm-up (--steps fixes them)."
         )
-    configurations = []
-    for policy, loop, implementation in plan:
-        configurations.append(
-            _Configuration(policy, loop, implementation, units, batches)
-        )
-    timing.measure(
+    progress.say("Building and warming up every configuration...")
+    progress.start(len(plan), "configuration")
+    configurations = [
+        Configuration(p, loop, implementation, spec, batches, memory)
+        for p, loop, implementation in plan
+    ]
+    walls = bench_plan.StepWalls()
+    timings = timing.warm_up_all(
         configurations,
-        rounds=rounds,
-        steps=timing.chunks(steps, rounds),
-        warmup_min=warmup_steps,
+        warmup_min=warmup_steps if steps is not None else 1,
         warmup_max=warmup_steps,
-        context=lambda configuration: _op_fusion(configuration.policy),
-        observe=lambda c, loss, seconds, timed: c.record(loss, seconds, timed),
-        log=log,
-        progress=log,
+        context=module.context,
+        observe=walls.observe,
+        warmed_up=lambda c, t: progress.advance(),
+        max_seconds=None
+        if steps is not None
+        else _WARMUP_SHARE * budget_seconds / len(plan),
+    )
+    if steps is None:
+        seconds = walls.per_step(timings)
+        steps, rounds = bench_plan.steps_for_budget(
+            seconds, data, spec, budget_seconds - _since(started), rounds
+        )
+        progress.say(
+            f"Warm-up done after {_since(started):.0f} s. Timing "
+            f"{_count(steps, 'step')} per configuration in "
+            f"{_count(rounds, 'round')}: about "
+            f"{(steps + rounds) * sum(seconds):.0f} s more."
+        )
+    progress.start(len(plan) * (steps + rounds), "step")
+
+    def observe(configuration, loss, seconds, timed):
+        configuration.record(loss, seconds, timed)
+        progress.advance()
+
+    timing.time_rounds(
+        configurations,
+        timings,
+        rounds,
+        timing.chunks(steps, rounds),
+        context=module.context,
+        observe=observe,
     )
     results = [
-        _result(c, data, batch_size, units, warmup_steps)
-        for c in configurations
+        _result(c, data, spec, timings[c.label], device) for c in configurations
     ]
     add_comparisons(results)
     return results
 
 
+def unsupported(model, policies) -> Optional[str]:
+    """Why `model` cannot train under `policies` here, or None.
+
+    On JAX's CPU backend Keras's attention cannot compute in float16.
+    """
+    float16 = [p for p in policies if needs_loss_scaling(p)]
+    if model == "transformer" and float16 and backend.is_jax():
+        if backend_module().device() == "cpu":
+            return (
+                "On JAX's CPU backend Keras's attention cannot compute in "
+                "float16 (XLA's CPU dot has no float16 x float16 -> "
+                "float32), so the transformer cannot run under "
+                f"{', '.join(float16)} here: it needs a GPU."
+            )
+    return None
+
+
+def _since(started):
+    return time.perf_counter() - started
+
+
+def _count(number, word):
+    return f"{number} {word}{'' if number == 1 else 's'}"
+
+
 __all__ = [
+    "DEFAULT_BUDGET_SECONDS",
+    "DEFAULT_MODEL",
     "DEFAULT_POLICIES",
+    "MAX_BUDGET_STEPS",
     "add_comparisons",
+    "plan_configurations",
+    "plan_steps",
     "run_benchmark",
+    "unsupported",
 ]

@@ -40,6 +40,37 @@ COLUMNS = (
     "skipped steps",
 )
 RATIO_COLUMN = "kmp / native"
+TORCH_RATIO_COLUMN = "kmp / PyTorch AMP"
+OVERHEAD_COLUMN = "loss-scaling overhead"
+MEMORY_COLUMN = "peak memory (MB)"
+# Each table: its rows' implementations, its title, its ratio column.
+_TABLES = (
+    (
+        ("kmp",),
+        "kmp (float16 compute uses kmp.LossScaleOptimizer; the other "
+        "policies the plain optimizer):",
+        None,
+    ),
+    (
+        ("native",),
+        "\nnative Keras 3 (keras.optimizers.LossScaleOptimizer; the "
+        "policies without loss scaling run the same code either way):",
+        ("kmp_over_native", RATIO_COLUMN),
+    ),
+    (
+        ("unscaled",),
+        "\nno loss scaling (the same float16 policies with the plain "
+        "optimizer: what loss scaling costs):",
+        None,
+    ),
+    (
+        ("torch", "torch_unscaled"),
+        "\nplain PyTorch AMP on the same network (torch.autocast in the "
+        "policy's compute dtype, torch.amp.GradScaler for float16, "
+        "torch.optim.Adam; speed-up vs its own float32):",
+        ("kmp_over_torch", TORCH_RATIO_COLUMN),
+    ),
+)
 FLOAT16_FUSION_NOTE = (
     "float16 configurations ran with TensorFlow's op fusion ('remapping') "
     "off: on CPUs its fused float16 MatMul + BiasAdd kernel is far slower "
@@ -53,12 +84,15 @@ _SAME_ACCURACY_POINTS = 1.0
 _SAME_SPEED = 0.05
 
 
-def _format_row(result, with_ratio):
+def _format_row(result, ratio, extra):
     def optional(value, pattern):
         return "-" if value is None else pattern.format(value)
 
+    policy = result["policy"]
+    if result["implementation"] == "torch_unscaled":
+        policy += ", no GradScaler"
     cells = [
-        result["policy"],
+        policy,
         result["loop"],
         f"{result['median_ms']:.2f} ({result['q1_ms']:.2f}-"
         f"{result['q3_ms']:.2f})",
@@ -69,18 +103,26 @@ def _format_row(result, with_ratio):
         optional(result["final_loss_scale"], "{:g}"),
         optional(result["skipped_steps"], "{:d}"),
     ]
-    if with_ratio:
-        cells.append(optional(result["kmp_over_native"], "{:.2f}"))
+    if OVERHEAD_COLUMN in extra:
+        cells.append(optional(result.get("loss_scaling_overhead"), "{:+.1%}"))
+    if MEMORY_COLUMN in extra:
+        cells.append(optional(result.get("peak_memory_mb"), "{:.1f}"))
+    if ratio is not None:
+        cells.append(optional(result.get(ratio[0]), "{:.2f}"))
     return cells
 
 
 def format_table(results: Sequence[Dict]) -> str:
     """Formats `run_benchmark`'s results as plain-text (Markdown) tables.
 
-    The first table holds the kmp rows. When there are native rows, a second
-    table holds them, with a `kmp / native` column: the kmp row's median step
-    time over the native one's (above 1 means kmp is slower). Step times are
-    medians with the interquartile range in parentheses.
+    The first table holds the kmp rows. Native rows, when there are any,
+    get a second table with a `kmp / native` column: the kmp row's median
+    step time over the native one's (above 1 means kmp is slower); rows
+    without loss scaling a third, plain PyTorch AMP's rows a fourth, with
+    `kmp / PyTorch AMP`. With rows without loss scaling every loss-scaled
+    row shows its step time over theirs, minus one; with measured memory,
+    each row its peak. Step times are medians with the interquartile range
+    in parentheses.
 
     Args:
         results: The list `run_benchmark` returns (or loaded from its JSON).
@@ -93,38 +135,31 @@ def format_table(results: Sequence[Dict]) -> str:
     >>> print(format_table([]))
     No results.
     """
-    kmp_rows = [r for r in results if r["implementation"] == "kmp"]
-    native_rows = [r for r in results if r["implementation"] == "native"]
     if not results:
         return "No results."
+    extra = []
+    if any(r.get("loss_scaling_overhead") is not None for r in results):
+        extra.append(OVERHEAD_COLUMN)
+    if any(r.get("peak_memory_mb") is not None for r in results):
+        extra.append(MEMORY_COLUMN)
     parts = []
-    if kmp_rows:
+    for implementations, title, ratio in _TABLES:
+        rows = [r for r in results if r["implementation"] in implementations]
+        if not rows:
+            continue
+        header = list(COLUMNS) + extra + ([ratio[1]] if ratio else [])
+        parts.append(title)
         parts.append(
-            "kmp (float16 compute uses kmp.LossScaleOptimizer; the other "
-            "policies the plain optimizer):"
-        )
-        parts.append(
-            markdown_table(
-                list(COLUMNS), [_format_row(r, False) for r in kmp_rows]
-            )
-        )
-    if native_rows:
-        parts.append(
-            "\nnative Keras 3 (keras.optimizers.LossScaleOptimizer; the "
-            "policies without loss scaling run the same code either way):"
-        )
-        parts.append(
-            markdown_table(
-                list(COLUMNS) + [RATIO_COLUMN],
-                [_format_row(r, True) for r in native_rows],
-            )
+            markdown_table(header, [_format_row(r, ratio, extra) for r in rows])
         )
     first = results[0]
+    model = first.get("model", "digits")
     parts.append(
         f"\nms/step: median (interquartile range) of {first['steps']} timed "
-        f"steps per configuration, batch size {first['batch_size']}, "
-        f"{first['units']} units. final loss: cross-entropy on the whole "
-        "training set after training; test accuracy on the held-out 25%."
+        f"steps per configuration; model {model}, batch size "
+        f"{first['batch_size']}, width {first['units']}. final loss: "
+        "cross-entropy on the whole training set after training; test "
+        "accuracy on the held-out examples."
     )
     return "\n".join(parts)
 
@@ -195,19 +230,15 @@ def summarize(results: Sequence[Dict]) -> str:
         if r["implementation"] != "native" or r["kmp_over_native"] is None:
             continue
         mine = by_key[(r["policy"], r["loop"], "kmp")]
-        ratio = r["kmp_over_native"]
-        if abs(ratio - 1.0) < _SAME_SPEED:
-            cost = "as long as"
-        elif ratio > 1.0:
-            cost = f"{100 * (ratio - 1):.0f}% longer than"
-        else:
-            cost = f"{100 * (1 - ratio):.0f}% less time than"
+        cost = _cost_phrase(r["kmp_over_native"])
         lines.append(
             f"{LOOP_WORDS[r['loop']]}: kmp's {r['policy']} steps take {cost} "
             f"native Keras 3's ({mine['median_ms']:.2f} vs "
             f"{r['median_ms']:.2f} ms/step), and kmp "
             f"{_accuracy_phrase(mine['test_accuracy'], r['test_accuracy'])}."
         )
+    lines += _torch_lines(results, by_key)
+    lines += _overhead_lines(results)
     for r in results:
         skipped = r["skipped_steps"]
         if skipped:
@@ -227,7 +258,9 @@ def summarize(results: Sequence[Dict]) -> str:
             "more than they save."
         )
     if any(
-        r["device"] == "cpu" and Policy(r["policy"]).compute_dtype == "float16"
+        r["device"] == "cpu"
+        and r.get("backend", "tensorflow") == "tensorflow"
+        and Policy(r["policy"]).compute_dtype == "float16"
         for r in results
     ):
         lines.append(FLOAT16_FUSION_NOTE)
@@ -238,6 +271,67 @@ def summarize(results: Sequence[Dict]) -> str:
             "for GPUs: on a CPU, prefer mixed_bfloat16."
         )
     return "\n".join(lines)
+
+
+_SCALERS = {
+    "kmp": "kmp",
+    "native": "Keras 3's LossScaleOptimizer",
+    "torch": "PyTorch's GradScaler",
+}
+
+
+def _cost_phrase(ratio):
+    """`ratio`: kmp's step time over the other's."""
+    if abs(ratio - 1.0) < _SAME_SPEED:
+        return "as long as"
+    if ratio > 1.0:
+        return f"{100 * (ratio - 1):.0f}% longer than"
+    return f"{100 * (1 - ratio):.0f}% less time than"
+
+
+def _torch_lines(results, by_key):
+    """kmp beside plain PyTorch AMP: step times and speed-ups."""
+    lines = []
+    for r in results:
+        if r["implementation"] != "torch" or r.get("kmp_over_torch") is None:
+            continue
+        mine = by_key[(r["policy"], r["loop"], "kmp")]
+        other = (
+            "plain PyTorch's"
+            if r["policy"] == "float32"
+            else ("plain PyTorch AMP's")
+        )
+        line = (
+            f"{LOOP_WORDS[r['loop']]}: kmp's {r['policy']} steps take "
+            f"{_cost_phrase(r['kmp_over_torch'])} {other} "
+            f"({mine['median_ms']:.2f} vs {r['median_ms']:.2f} ms/step)"
+        )
+        if r["policy"] != "float32" and r["speedup_vs_float32"] is not None:
+            if mine["speedup_vs_float32"] is not None:
+                line += (
+                    f"; speed-up over float32: kmp "
+                    f"{mine['speedup_vs_float32']:.2f}x, PyTorch AMP "
+                    f"{r['speedup_vs_float32']:.2f}x"
+                )
+        lines.append(line + ".")
+    return lines
+
+
+def _overhead_lines(results):
+    """What loss scaling adds to a step, per policy and loop."""
+    costs = {}
+    for r in results:
+        overhead = r.get("loss_scaling_overhead")
+        if overhead is not None:
+            costs.setdefault((r["policy"], r["loop"]), []).append(
+                f"{_SCALERS[r['implementation']]} {overhead:+.1%}"
+            )
+    return [
+        f"{LOOP_WORDS[loop]}: loss scaling adds to the {policy} step: "
+        f"{', '.join(parts)} (step time over the step without loss "
+        "scaling, minus one)."
+        for (policy, loop), parts in costs.items()
+    ]
 
 
 # --- Files --------------------------------------------------------------------
@@ -254,9 +348,32 @@ def machine_info() -> Dict:
     }
     if backend.is_tensorflow():
         info["tensorflow"] = backend.tensorflow().__version__
+    info.update(_backend_versions())
     info.update(
         keras=keras.__version__, numpy=np.__version__, kmp=kmp.__version__
     )
+    return info
+
+
+def _backend_versions() -> Dict:
+    """JAX's or torch's version, and the GPU, where Keras runs on them."""
+    info = {}
+    if backend.is_jax():
+        import jax
+
+        info["jax"] = jax.__version__
+        info["devices"] = [str(d) for d in jax.devices()]
+    elif backend.is_torch():
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["cuda"] = torch.version.cuda
+            info["gpu"] = torch.cuda.get_device_name()
+    else:
+        tf = backend.tensorflow()
+        gpus = tf.config.list_physical_devices("GPU")
+        info["devices"] = [d.name for d in gpus] or ["CPU"]
     return info
 
 
@@ -342,7 +459,10 @@ def write_plot(results, path):
 __all__ = [
     "COLUMNS",
     "LOOPS",
+    "MEMORY_COLUMN",
+    "OVERHEAD_COLUMN",
     "RATIO_COLUMN",
+    "TORCH_RATIO_COLUMN",
     "format_table",
     "machine_info",
     "summarize",

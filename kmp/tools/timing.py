@@ -128,13 +128,15 @@ def warm_up(
     window: int = 5,
     tolerance: float = 0.1,
     observe: Optional[Callable[[Any, float], None]] = None,
+    max_seconds: Optional[float] = None,
 ) -> Tuple[float, int, float]:
     """Traces `step` and runs it until its step time settles.
 
     Runs the first call, then at least `minimum` and at most `maximum`
     steps, stopping once the median of the last `window` steps is within
-    `tolerance` (a fraction) of the median of the `window` before them.
-    `minimum == maximum` runs exactly that many.
+    `tolerance` (a fraction) of the median of the `window` before them, or
+    once the steps after the first call took `max_seconds` in all.
+    `minimum == maximum` (and no `max_seconds`) runs exactly that many.
 
     Args:
         step: Runs one step and returns its value.
@@ -142,6 +144,8 @@ def warm_up(
         window: Steps per median compared.
         tolerance: How close the two medians must be.
         observe: Called with `(value, seconds)` after every step.
+        max_seconds: A time limit on the steps after the first call (None:
+            none); `minimum` steps run in any case.
 
     Returns:
         `(seconds of the first call, steps after it, median of the last
@@ -156,7 +160,11 @@ def warm_up(
         if observe is not None:
             observe(value, seconds)
         times.append(seconds)
-        if len(times) >= max(minimum, 2 * window):
+        if len(times) < minimum:
+            continue
+        if max_seconds is not None and sum(times) >= max_seconds:
+            break
+        if len(times) >= 2 * window:
             last = statistics.median(times[-window:])
             before = statistics.median(times[-2 * window : -window])
             if abs(last - before) <= tolerance * before:
@@ -184,6 +192,8 @@ def measure(
 ) -> Dict[str, Timing]:
     """Warms every subject up, then times them in interleaved rounds.
 
+    `warm_up_all`, then `time_rounds`.
+
     Args:
         subjects: Objects with a `label` (unique) and a `step()`.
         rounds: How many rounds.
@@ -204,12 +214,55 @@ def measure(
     Returns:
         `{label: Timing}` in the order of `subjects`.
     """
+    counts = _round_counts(rounds, steps)
+    timings = warm_up_all(
+        subjects,
+        warmup_min,
+        warmup_max,
+        context=context,
+        observe=observe,
+        warmed_up=warmed_up,
+        log=log,
+    )
+    time_rounds(
+        subjects,
+        timings,
+        rounds,
+        counts,
+        switch_steps=switch_steps,
+        context=context,
+        observe=observe,
+        progress=progress,
+    )
+    return timings
+
+
+def _round_counts(rounds, steps):
     counts = [steps] * rounds if isinstance(steps, int) else list(steps)
     if len(counts) != rounds:
         raise ValueError(
             f"'steps' must be a count or one count per round ({rounds}). "
             f"Received: steps={steps!r}"
         )
+    return counts
+
+
+def warm_up_all(
+    subjects: Sequence[Any],
+    warmup_min: int,
+    warmup_max: int,
+    context: Callable[[Any], Any] = _no_context,
+    observe: Optional[Callable[[Any, Any, float, bool], None]] = None,
+    warmed_up: Optional[Callable[[Any, Timing], None]] = None,
+    log: Optional[Callable[[str], None]] = None,
+    max_seconds: Optional[float] = None,
+) -> Dict[str, Timing]:
+    """`warm_up` for every subject in turn (arguments as for `measure`;
+    `max_seconds` limits each subject's warm-up steps, see `warm_up`).
+
+    Returns:
+        `{label: Timing}` in the order of `subjects`, without timed steps.
+    """
     timings = {}
     for subject in subjects:
 
@@ -219,7 +272,11 @@ def measure(
 
         with context(subject):
             trace, count, last = warm_up(
-                subject.step, warmup_min, warmup_max, observe=seen
+                subject.step,
+                warmup_min,
+                warmup_max,
+                observe=seen,
+                max_seconds=max_seconds,
             )
         timings[subject.label] = Timing(subject.label, trace, count, last)
         if warmed_up is not None:
@@ -229,6 +286,22 @@ def measure(
                 f"  warmed up {subject.label}: first call {trace:.2f} s, "
                 f"{count} warm-up steps, last {last * 1e3:.2f} ms/step"
             )
+    return timings
+
+
+def time_rounds(
+    subjects: Sequence[Any],
+    timings: Dict[str, Timing],
+    rounds: int,
+    steps: Union[int, Sequence[int]],
+    switch_steps: int = 1,
+    context: Callable[[Any], Any] = _no_context,
+    observe: Optional[Callable[[Any, Any, float, bool], None]] = None,
+    progress: Optional[Callable[[str], None]] = None,
+) -> Dict[str, Timing]:
+    """The timed rounds of `measure`, added to `timings` (from
+    `warm_up_all`); the other arguments as for `measure`."""
+    counts = _round_counts(rounds, steps)
     for round_index, count in enumerate(counts):
         shift = round_index % len(subjects)
         for subject in [*subjects[shift:], *subjects[:shift]]:
@@ -306,7 +379,9 @@ __all__ = [
     "chunks",
     "measure",
     "ratio",
+    "time_rounds",
     "time_step",
     "wait",
     "warm_up",
+    "warm_up_all",
 ]

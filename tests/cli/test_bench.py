@@ -1,11 +1,13 @@
-"""Tests for `kmp bench` (kmp_cli/bench.py), at a tiny size; nothing is timed.
+"""Tests for `kmp bench` (kmp_cli/bench.py), at a tiny size, on every
+backend; nothing is timed.
 
 One in-process run of the whole command (every default policy and loop, the
-native comparison, --json and --plot) is shared by the tests that read its
-table, summary, JSON and plot.
+native comparison, plain PyTorch AMP on torch, --json and --plot) is shared
+by the tests that read its table, summary, JSON and plot.
 """
 
 import contextlib
+import importlib.util
 import io
 import json
 import math
@@ -14,12 +16,15 @@ import statistics
 import subprocess
 import sys
 
+import keras
 import pytest
 
 import kmp_cli.bench
 from kmp.tools import bench
+from kmp.tools import bench_models
 from kmp.tools import bench_report
 from kmp_cli import main
+from tests.support import backends
 
 TINY = [
     "--steps",
@@ -42,6 +47,23 @@ KMP_ROWS = [
     for loop in bench_report.LOOPS
 ]
 NATIVE_ROWS = [("mixed_float16", "fit"), ("mixed_float16", "custom")]
+# Plain PyTorch AMP, on torch only (float16 on a GPU only).
+_GPU = bench.backend_module().device() == "gpu"
+TORCH_ROWS = (
+    [
+        (policy, "custom")
+        for policy in bench.DEFAULT_POLICIES
+        if _GPU or policy != "mixed_float16"
+    ]
+    if backends.TORCH
+    else []
+)
+CONFIGURATIONS = len(KMP_ROWS) + len(NATIVE_ROWS) + len(TORCH_ROWS)
+INSTALL_HINTS = {
+    "tensorflow": "pip install 'kmp[cpu]'",
+    "jax": "pip install 'kmp[jax]'",
+    "torch": "pip install 'kmp[torch]'",
+}
 
 
 def _run_cli(argv):
@@ -100,39 +122,51 @@ def test_full_run_exits_zero(full_run):
 
 
 def test_tables_have_the_documented_columns(full_run):
-    (kmp_header, _), (native_header, _) = _tables(full_run["output"])
-    assert kmp_header == list(bench_report.COLUMNS)
-    assert native_header == list(bench_report.COLUMNS) + ["kmp / native"]
+    tables = _tables(full_run["output"])
+    assert len(tables) == (3 if backends.TORCH else 2)
+    assert tables[0][0] == list(bench_report.COLUMNS)
+    assert tables[1][0] == list(bench_report.COLUMNS) + ["kmp / native"]
+    if backends.TORCH:
+        assert tables[2][0] == list(bench_report.COLUMNS) + [
+            "kmp / PyTorch AMP"
+        ]
 
 
 def test_every_requested_configuration_has_a_row(full_run):
-    (_, kmp_rows), (_, native_rows) = _tables(full_run["output"])
-    assert [(r["policy"], r["loop"]) for r in kmp_rows] == KMP_ROWS
-    assert [(r["policy"], r["loop"]) for r in native_rows] == NATIVE_ROWS
+    tables = _tables(full_run["output"])
+    rows = [[(r["policy"], r["loop"]) for r in t[1]] for t in tables]
+    assert rows[0] == KMP_ROWS
+    assert rows[1] == NATIVE_ROWS
+    assert rows[2:] == ([TORCH_ROWS] if TORCH_ROWS else [])
 
 
 def test_table_numbers_parse(full_run):
-    (_, kmp_rows), (_, native_rows) = _tables(full_run["output"])
-    for row in kmp_rows + native_rows:
-        median, low, high = _median_cell(row["ms/step (median)"])
-        assert 0 < low <= median <= high
-        assert float(row["speed-up vs float32"]) > 0
-        assert float(row["samples/s"]) > 0
-        assert math.isfinite(float(row["final loss"]))
-        assert 0 <= float(row["test accuracy"].rstrip("%")) <= 100
-        if row["policy"] == "mixed_float16":
-            assert float(row["final loss scale"]) >= 1
-            assert int(row["skipped steps"]) >= 0
-        else:
-            assert row["final loss scale"] == row["skipped steps"] == "-"
-    for row in native_rows:
+    tables = _tables(full_run["output"])
+    for _, rows in tables:
+        for row in rows:
+            median, low, high = _median_cell(row["ms/step (median)"])
+            assert 0 < low <= median <= high
+            assert float(row["speed-up vs float32"]) > 0
+            assert float(row["samples/s"]) > 0
+            assert math.isfinite(float(row["final loss"]))
+            assert 0 <= float(row["test accuracy"].rstrip("%")) <= 100
+            if row["policy"] == "mixed_float16":
+                assert float(row["final loss scale"]) >= 1
+                assert int(row["skipped steps"]) >= 0
+            else:
+                assert row["final loss scale"] == row["skipped steps"] == "-"
+    for row in tables[1][1]:
         assert float(row["kmp / native"]) > 0
+    for row in tables[2][1] if backends.TORCH else []:
+        assert float(row["kmp / PyTorch AMP"]) > 0
 
 
 def test_float32_speedup_is_one(full_run):
-    (_, kmp_rows), _ = _tables(full_run["output"])
-    float32 = [r for r in kmp_rows if r["policy"] == "float32"]
+    tables = _tables(full_run["output"])
+    float32 = [r for r in tables[0][1] if r["policy"] == "float32"]
     assert [r["speed-up vs float32"] for r in float32] == ["1.00", "1.00"]
+    if backends.TORCH:  # Against plain PyTorch's own float32.
+        assert tables[2][1][0]["speed-up vs float32"] == "1.00"
 
 
 def test_summary_compares_with_float32_and_native(full_run):
@@ -142,15 +176,24 @@ def test_summary_compares_with_float32_and_native(full_run):
             assert f"{loop}: {policy} is " in output
         assert f"{loop}: kmp's mixed_float16 steps take" in output
     assert "accuracy" in output
+    if backends.TORCH:
+        assert "plain PyTorch AMP's" in output
 
 
-def test_progress_is_shown_for_both_loops(full_run):
+def test_progress_is_shown_with_bars(full_run):
     output = full_run["output"]
-    assert "Building and warming up 8 configurations" in output
-    assert "round 2/2, 2 steps: float32 / model.fit / kmp" in output
-    assert "round 2/2, 2 steps: mixed_float16 / custom loop / native" in output
-    assert output.count("  warmed up ") == 8
-    assert "warmed up float32 / custom loop / kmp: first call" in output
+    backend = keras.backend.backend()
+    assert (
+        "kmp bench: digits: 64-8-8-10 MLP on the digits, batch 16; Keras on "
+        f"{backend}" in output
+    )
+    assert "Building and warming up every configuration..." in output
+    # Keras's progress bars: configurations, then every step of them all.
+    assert f"{CONFIGURATIONS}/{CONFIGURATIONS}" in output
+    steps = CONFIGURATIONS * (4 + 2)
+    assert f"{steps}/{steps}" in output and "/step" in output
+    assert "━" in output
+    assert "Time budget" not in output  # --steps fixes the steps.
 
 
 # --- --json and --plot -------------------------------------------------------
@@ -160,10 +203,14 @@ def test_json_holds_machine_info_and_settings(full_run):
     document = full_run["json"]
     machine = document["machine"]
     assert machine["cpu_count"] == os.cpu_count()
-    for key in ("tensorflow", "keras", "python", "kmp"):
+    backend = keras.backend.backend()
+    assert machine["backend"] == backend
+    for key in (backend, "keras", "python", "kmp"):
         assert isinstance(machine[key], str) and machine[key]
     settings = document["settings"]
+    assert settings["backend"] == backend
     assert settings["steps"] == 4 and settings["rounds"] == 2
+    assert settings["steps_fixed"] is True
     assert settings["policies"] == list(bench.DEFAULT_POLICIES)
     assert document["summary"] == bench_report.summarize(document["results"])
 
@@ -175,7 +222,7 @@ def test_json_holds_every_configuration_and_its_measurements(full_run):
     ]
     assert configurations == [(p, loop, "kmp") for p, loop in KMP_ROWS] + [
         (p, loop, "native") for p, loop in NATIVE_ROWS
-    ]
+    ] + [(p, loop, "torch") for p, loop in TORCH_ROWS]
     for r in results:
         times = r["step_times_ms"]
         assert len(times) == r["steps"] == 4
@@ -200,20 +247,22 @@ def test_json_ratios_match_the_medians(full_run):
     results = full_run["json"]["results"]
     by_key = {(r["policy"], r["loop"], r["implementation"]): r for r in results}
     for (policy, loop, implementation), r in by_key.items():
-        float32 = by_key[("float32", loop, "kmp")]
+        side = "torch" if implementation == "torch" else "kmp"
+        float32 = by_key[("float32", loop, side)]
         assert r["speedup_vs_float32"] == pytest.approx(
             float32["median_ms"] / r["median_ms"]
         )
-        if implementation == "native":
+        if implementation in ("native", "torch"):
             mine = by_key[(policy, loop, "kmp")]
-            assert r["kmp_over_native"] == pytest.approx(
+            assert r[f"kmp_over_{implementation}"] == pytest.approx(
                 mine["median_ms"] / r["median_ms"]
             )
 
 
 def test_every_configuration_starts_alike(full_run):
     # Same initial weights and same first batch: the same first loss, from
-    # fit's callback and from the custom loop alike.
+    # fit's callback and from the custom loop alike (and from plain PyTorch
+    # AMP's autocast, within 16-bit rounding).
     by_key = {
         (r["policy"], r["loop"], r["implementation"]): r
         for r in full_run["json"]["results"]
@@ -224,6 +273,10 @@ def test_every_configuration_starts_alike(full_run):
     assert by_key[("float32", "fit", "kmp")]["losses"][0] == pytest.approx(
         first, rel=1e-6
     )
+    if backends.TORCH:  # The same network, float32 without autocast.
+        assert by_key[("float32", "custom", "torch")]["losses"][0] == (
+            pytest.approx(first, rel=1e-6)
+        )
 
 
 def test_fit_losses_are_per_step_like_the_custom_loop(full_run):
@@ -258,13 +311,77 @@ def test_quiet_prints_only_results():
             "--loops",
             "custom",
             "--no-native",
+            "--no-torch-amp",
             "--quiet",
         ]
     )
     assert code == 0
-    assert "round " not in output and "━" not in output
+    assert "kmp bench:" not in output and "━" not in output
     ((header, rows),) = _tables(output)
     assert [(r["policy"], r["loop"]) for r in rows] == [("float32", "custom")]
+
+
+def test_without_steps_the_run_follows_the_budget(tmp_path):
+    path = tmp_path / "budget.json"
+    code, output = _run_cli(
+        [
+            "bench",
+            "--budget",
+            "1",
+            "--size",
+            "tiny",
+            "--policies",
+            "float32",
+            "--loops",
+            "custom",
+            "--no-native",
+            "--no-torch-amp",
+            "--warmup",
+            "2",
+            "--json",
+            str(path),
+        ]
+    )
+    assert code == 0
+    assert "Time budget: 1 s (--budget)" in output
+    assert " per configuration in " in output
+    document = json.loads(path.read_text())
+    settings = document["settings"]
+    assert settings["steps_fixed"] is False
+    assert settings["budget_seconds"] == 1.0
+    (result,) = document["results"]
+    assert settings["steps"] == result["steps"] >= result["rounds"] >= 1
+
+
+def test_a_gpu_model_with_the_loss_scaling_overhead():
+    code, output = _run_cli(
+        [
+            "bench",
+            "--model",
+            "cnn",
+            "--size",
+            "tiny",
+            "--steps",
+            "1",
+            "--rounds",
+            "1",
+            "--warmup",
+            "1",
+            "--policies",
+            "mixed_float16",
+            "--loops",
+            "custom",
+            "--overhead",
+            "--no-torch-amp",
+            "--quiet",
+        ]
+    )
+    assert code == 0
+    tables = _tables(output)
+    # kmp, native Keras 3, no loss scaling.
+    assert [len(rows) for _, rows in tables] == [1, 1, 1]
+    assert bench_report.OVERHEAD_COLUMN in tables[0][0]
+    assert "model cnn, batch size 8" in output
 
 
 # --- Bad arguments -----------------------------------------------------------
@@ -281,6 +398,10 @@ def test_quiet_prints_only_results():
         (["--batch-size", "-4"], "--batch-size: must be a positive integer"),
         (["--units", "0"], "--units: must be a positive integer"),
         (["--steps", "2", "--rounds", "3"], "--rounds: must be at most"),
+        (["--budget", "0"], "--budget: must be a number of seconds > 0"),
+        (["--budget", "soon"], "--budget: must be a number of seconds > 0"),
+        (["--model", "resnet"], "--model: invalid choice: 'resnet'"),
+        (["--size", "huge"], "--size: invalid choice: 'huge'"),
         (["--json", "{tmp}/missing/out.json"], "does not exist"),
         (["--json", "{tmp}"], "is a directory"),
         (["--plot", "{tmp}/out.jpg"], "must be a .png file name"),
@@ -295,6 +416,10 @@ def test_quiet_prints_only_results():
         "negative_batch_size",
         "zero_units",
         "more_rounds_than_steps",
+        "zero_budget",
+        "budget_not_a_number",
+        "unknown_model",
+        "unknown_size",
         "json_in_missing_directory",
         "json_is_a_directory",
         "plot_not_png",
@@ -322,32 +447,46 @@ def test_help_through_python_dash_m():
     )
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.startswith("usage: kmp bench")
-    for option in ("--policies", "--loops", "--steps", "--json", "--plot"):
+    for option in ("--policies", "--model", "--budget", "--json", "--plot"):
         assert option in completed.stdout
 
 
 def test_the_command_line_defaults_are_run_benchmarks():
     assert kmp_cli.bench.DEFAULT_POLICIES == ",".join(bench.DEFAULT_POLICIES)
     assert kmp_cli.bench.LOOPS == bench_report.LOOPS
-    for name in ("STEPS", "BATCH_SIZE", "UNITS", "ROUNDS", "WARMUP_STEPS"):
+    assert kmp_cli.bench.MODELS == bench_models.MODELS
+    assert kmp_cli.bench.SIZES == bench_models.SIZES
+    for name in ("MODEL", "SIZE", "BUDGET_SECONDS", "ROUNDS", "WARMUP_STEPS"):
         assert getattr(kmp_cli.bench, f"DEFAULT_{name}") == getattr(
             bench, f"DEFAULT_{name}"
         )
 
 
-@pytest.mark.parametrize("backend", ["jax", "torch"])
-def test_other_backends_are_not_supported_yet(backend, capsys):
-    with pytest.raises(SystemExit) as raised:
-        main(["bench", *TINY, "--backend", backend])
-    assert raised.value.code == 2
+# --- Which backend -----------------------------------------------------------
+
+
+def _installed(backend):
+    module = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
+    return importlib.util.find_spec(module[backend]) is not None
+
+
+@pytest.mark.parametrize("backend", kmp_cli.bench.BACKENDS)
+def test_a_backend_not_installed_is_one_line_naming_what_to_install(
+    backend, capsys
+):
+    if _installed(backend):
+        pytest.skip(f"{backend} is installed here")
+    code = main(["bench", "--backend", backend, *TINY])
+    assert code == 1
     error = capsys.readouterr().err
-    assert f"--backend: {backend} is not supported yet" in error
-    assert "tf.GradientTape" in error and "--backend tensorflow" in error
+    assert error.count("\n") == 1
+    assert error.startswith(f"kmp bench: the {backend} backend needs")
+    assert INSTALL_HINTS[backend] in error
+    assert "Traceback" not in error
 
 
-def _python(code, backend):
-    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    environment["KERAS_BACKEND"] = backend
+def _fresh_python(code, environment):
+    environment = dict(environment, TF_CPP_MIN_LOG_LEVEL="3")
     return subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -357,32 +496,67 @@ def _python(code, backend):
     )
 
 
-def test_backend_runs_the_bench_in_a_process_on_that_backend():
-    # This process is on "jax" (not even installed here): kmp bench must not
-    # import Keras here, and runs itself again on TensorFlow.
+def _choice(environment):
+    completed = _fresh_python(
+        "import sys, kmp_cli.bench as b\n"
+        "print(b.choose_backend())\n"
+        "assert 'keras' not in sys.modules, 'keras imported'\n",
+        environment,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return completed.stdout.strip()
+
+
+def test_without_backend_kmp_bench_picks_an_installed_one(tmp_path):
+    this = keras.backend.backend()
+    others = [b for b in kmp_cli.bench.BACKENDS if not _installed(b)]
+    environment = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    environment["KERAS_HOME"] = str(tmp_path)
+    first_installed = next(b for b in kmp_cli.bench.BACKENDS if _installed(b))
+    # No keras.json: the first installed of tensorflow, jax, torch.
+    assert _choice(environment) == first_installed
+    # keras.json names this backend: it.
+    (tmp_path / "keras.json").write_text(json.dumps({"backend": this}))
+    assert _choice(environment) == this
+    # keras.json names one not installed (Keras writes "tensorflow" there by
+    # default, also in a JAX-only environment): an installed one instead.
+    if others:
+        (tmp_path / "keras.json").write_text(json.dumps({"backend": others[0]}))
+        assert _choice(environment) == first_installed
+    # KERAS_BACKEND decides when set.
+    assert _choice(dict(environment, KERAS_BACKEND=this)) == this
+
+
+def test_backend_is_used_before_keras_is_imported():
+    # KERAS_BACKEND names another backend, but Keras is not imported yet:
+    # --backend sets it, in this same process.
+    this = keras.backend.backend()
+    other = "torch" if this != "torch" else "jax"
     code = (
         "import sys, kmp_cli\n"
-        "code = kmp_cli.main(['bench', '--backend', 'tensorflow', "
+        f"code = kmp_cli.main(['bench', '--backend', {this!r}, "
         "'--policies', 'float32', '--loops', 'custom', '--no-native', "
-        "'--steps', '1', '--rounds', '1', '--warmup', '1', '--units', '4', "
-        "'--batch-size', '8', '--quiet'])\n"
-        "assert 'keras' not in sys.modules, 'keras imported'\n"
+        "'--no-torch-amp', '--steps', '1', '--rounds', '1', '--warmup', '1', "
+        "'--units', '4', '--batch-size', '8', '--quiet'])\n"
+        "import keras\n"
+        "print('ran on', keras.backend.backend())\n"
         "sys.exit(code)\n"
     )
-    completed = _python(code, "jax")
+    completed = _fresh_python(code, dict(os.environ, KERAS_BACKEND=other))
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "| float32 | custom |" in completed.stdout
+    assert f"ran on {this}" in completed.stdout
 
 
-def test_keras_on_another_backend_is_told_to_pass_backend(monkeypatch, capsys):
-    import keras
-
-    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
-    with pytest.raises(SystemExit) as raised:
-        main(["bench", *TINY])
-    assert raised.value.code == 2
-    error = capsys.readouterr().err
-    assert "Keras runs on 'jax' here, which kmp bench does not support" in (
-        error
+def test_backend_other_than_keras_here_runs_in_a_new_process(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        kmp_cli.bench,
+        "_run_elsewhere",
+        lambda args, backend: calls.append((backend, args.argv)) or 0,
     )
-    assert "Use --backend tensorflow." in error
+    this = keras.backend.backend()
+    monkeypatch.setattr(keras.backend, "backend", lambda: "elsewhere")
+    argv = ["bench", "--backend", this, *TINY]
+    assert main(argv) == 0
+    assert calls == [(this, argv)]

@@ -109,12 +109,13 @@ def test_jitted_custom_loop_matches_the_float32_reference(
     assert training.optimizer_state(optimizer)[:3] == (2.0**15, 3, 0)
 
 
-def _jitted_step(model, optimizer):
+def _jitted_step(model, optimizer, donate=False):
     """The contract's JAX loop: one jitted step over explicit state.
 
     Returns `step(state, x, y, factor) -> (state, scale_used)`, where the
     loss is the mean squared error times `factor` (inf makes a bad step)
-    and `scale_used` is the scaled loss over the loss.
+    and `scale_used` is the scaled loss over the loss. With `donate`, each
+    step donates the state it is given (its buffers are deleted).
     """
     traces = []
 
@@ -140,15 +141,23 @@ def _jitted_step(model, optimizer):
         )
         return (trainable, non_trainable, optimizer_values), scaled / loss
 
+    if donate:
+        step = jax.jit(step.__wrapped__, donate_argnums=0)
     step.traces = traces
     return step
 
 
-def _state_of(model, optimizer):
+def _state_of(model, optimizer, copy=False):
+    """The loop's state; with `copy`, new buffers (for a donating step)."""
+    take = (
+        (lambda v: jax.numpy.array(v.value, copy=True))
+        if copy
+        else (lambda v: v.value)
+    )
     return (
-        [v.value for v in model.trainable_variables],
-        [v.value for v in model.non_trainable_variables],
-        [v.value for v in optimizer.variables],
+        [take(v) for v in model.trainable_variables],
+        [take(v) for v in model.non_trainable_variables],
+        [take(v) for v in optimizer.variables],
     )
 
 
@@ -301,27 +310,130 @@ def test_persistent_skips_raise_from_check_persistent_skips():
     assert int(optimizer.skipped_steps) == 3
 
 
-def test_jitted_loop_checks_persistent_skips_on_its_own_state():
-    """No host callback in the step: the loop checks the values it holds,
-    without assigning them to the variables."""
-    model = training.model()
+def _raising_loop_optimizer(model, limit=2):
     optimizer = kmp.LossScaleOptimizer(
         keras.optimizers.SGD(0.1),
-        max_consecutive_skips=2,
+        max_consecutive_skips=limit,
         on_persistent_skips="raise",
     )
     optimizer.build(model.trainable_variables)
+    return optimizer
+
+
+def _reported(check):
+    """Whether `check()` raised the persistent-skips error."""
+    try:
+        check()
+    except FloatingPointError as error:
+        assert "skipped the last" in str(error)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+def test_jitted_loop_checks_persistent_skips_at_most_one_step_late(donate):
+    """No host callback in the step, and no wait for it after: the loop's
+    check reports the step reaching the limit at that call or the next one
+    (also when each step donates the state it was given), on the values it
+    holds, without assigning them to the variables."""
+    model = training.model()
+    optimizer = _raising_loop_optimizer(model, limit=2)
+    step = _jitted_step(model, optimizer, donate=donate)
+    x, y = backends.tensor(X[:BATCH_SIZE]), backends.tensor(Y[:BATCH_SIZE])
+    state = _state_of(model, optimizer, copy=donate)
+    state, _ = step(state, x, y, INF)
+    optimizer.check_persistent_skips(state[2])  # One skip: below the limit.
+    state, _ = step(state, x, y, NAN)  # The second in a row: the limit.
+    check = lambda: optimizer.check_persistent_skips(state[2])  # noqa: E731
+    if not _reported(check):  # Not arrived yet: then by the next call.
+        state, _ = step(state, x, y, INF)
+        assert _reported(check)
+    # The variables were never assigned: they hold no skips.
+    optimizer.check_persistent_skips()
+    assert int(optimizer.skipped_steps) == 0
+
+
+def test_loop_check_does_not_wait_for_a_running_step():
+    """The check returns while the step that made its values still runs
+    (a step of several seconds of matrix products here), and reports on
+    them at the next call, which waits for them."""
+    model = training.model()
+    optimizer = _raising_loop_optimizer(model, limit=1)
+
+    @jax.jit
+    def slow_skip(optimizer_values, matrix):
+        for _ in range(8):
+            matrix = jax.numpy.tanh(matrix @ matrix)
+        # A skipped step's counters, computed after the products.
+        late = (matrix[0, 0] * 0).astype("int32")
+        values = dict(zip(map(id, optimizer.variables), optimizer_values))
+        values[id(optimizer.consecutive_skips_variable)] += 1 + late
+        return [values[id(v)] for v in optimizer.variables]
+
+    values = [v.value for v in optimizer.variables]
+    matrix = jax.numpy.full((1024, 1024), 1.0 / 1024)
+    optimizer.check_persistent_skips(values)  # Compiles the copy.
+    optimizer.check_persistent_skips(values)  # Both reported: no skips.
+    jax.block_until_ready(slow_skip(values, matrix))  # Compiled.
+    skipped = slow_skip(values, matrix)
+    optimizer.check_persistent_skips(skipped)
+    position = next(
+        i
+        for i, v in enumerate(optimizer.variables)
+        if v is optimizer.consecutive_skips_variable
+    )
+    # It returned before the step had computed what it checks.
+    assert not skipped[position].is_ready()
+    with pytest.raises(FloatingPointError, match="skipped the last 1 step"):
+        optimizer.check_persistent_skips(skipped)
+
+
+def test_loop_check_never_reports_before_the_limit():
+    model = training.model()
+    optimizer = _raising_loop_optimizer(model, limit=3)
+    step = _jitted_step(model, optimizer)
+    x, y = backends.tensor(X[:BATCH_SIZE]), backends.tensor(Y[:BATCH_SIZE])
+    state = _state_of(model, optimizer)
+    for factor in [INF, NAN, 1.0, INF, INF, 1.0]:
+        state, _ = step(state, x, y, factor)
+        optimizer.check_persistent_skips(state[2])
+    # A second call with the same values reports them for sure: still none.
+    optimizer.check_persistent_skips(state[2])
+
+
+def test_second_check_of_the_same_values_reports_them():
+    model = training.model()
+    optimizer = _raising_loop_optimizer(model, limit=2)
+    step = _jitted_step(model, optimizer)
+    x, y = backends.tensor(X[:BATCH_SIZE]), backends.tensor(Y[:BATCH_SIZE])
+    state = _state_of(model, optimizer)
+    for factor in [INF, NAN]:
+        state, _ = step(state, x, y, factor)
+    reported = _reported(lambda: optimizer.check_persistent_skips(state[2]))
+    if not reported:
+        with pytest.raises(FloatingPointError, match="the last 2 steps"):
+            optimizer.check_persistent_skips(state[2])
+
+
+def test_check_persistent_skips_now_waits_for_the_values():
+    model = training.model()
+    optimizer = _raising_loop_optimizer(model, limit=2)
     step = _jitted_step(model, optimizer)
     x, y = backends.tensor(X[:BATCH_SIZE]), backends.tensor(Y[:BATCH_SIZE])
     state = _state_of(model, optimizer)
     state, _ = step(state, x, y, INF)
-    optimizer.check_persistent_skips(state[2])  # One skip: below the limit.
+    optimizer.check_persistent_skips_now(state[2])
     state, _ = step(state, x, y, NAN)
     with pytest.raises(FloatingPointError, match="skipped the last 2 steps"):
-        optimizer.check_persistent_skips(state[2])
-    # The variables were never assigned: they hold no skips.
-    optimizer.check_persistent_skips()
-    assert int(optimizer.skipped_steps) == 0
+        optimizer.check_persistent_skips_now(state[2])
+
+
+def test_loop_check_refuses_values_of_the_wrong_length():
+    model = training.model()
+    optimizer = _raising_loop_optimizer(model)
+    values = [v.value for v in optimizer.variables]
+    with pytest.raises(ValueError, match="one value per variable"):
+        optimizer.check_persistent_skips(values[:-1])
 
 
 def test_fit_raises_on_persistent_skips_without_a_monitor():
