@@ -20,6 +20,13 @@ from kmp.core import loss_scale as rule_module
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 _KerasOptimizer = keras.optimizers.Optimizer
 _MAX_SKIPS = 2**31 - 1
+# kmp's settings at their defaults, which get_config leaves out.
+DEFAULT_SETTINGS = {
+    "dynamic": True,
+    "max_consecutive_skips": 1000,
+    "on_persistent_skips": "warn",
+    "record_nonfinite": False,
+}
 
 
 class ArgumentTypeError(TypeError, ValueError):
@@ -226,6 +233,17 @@ def checked_learning_rate(value):
     return value
 
 
+def checked_config(config) -> dict:
+    """A copy of `config`, if it is a dict as `get_config()` returns."""
+    if not isinstance(config, Mapping) or "inner_optimizer" not in config:
+        raise ValueError(
+            "'config' must be a dict with at least the key "
+            "'inner_optimizer', as returned by get_config(). Received: "
+            f"config={checks.describe(config)}"
+        )
+    return dict(config)
+
+
 def check_keras_kwargs(kwargs):
     """Accepts what Keras's own LossScaleOptimizer config may hold.
 
@@ -357,3 +375,52 @@ def checked_gradient_list(grads, argument) -> List:
             )
         grads[index] = gradient
     return grads
+
+
+def checked_pairs(
+    grads_and_vars, name, aggregate_gradients, skip_gradients_aggregation
+):
+    """`apply_gradients`' arguments as `(grads, variables, aggregate)`.
+
+    `name`, `experimental_aggregate_gradients` and Keras 2.11's
+    `skip_gradients_aggregation` are Keras 2's, accepted for ported code:
+    `aggregate` is False when either says the gradients are summed already.
+
+    Raises:
+        TypeError: pairs that are not pairs, or a Keras 2 argument of the
+            wrong type.
+        ValueError: no pairs at all (an exhausted `zip`).
+    """
+    if name is not None and not isinstance(name, str):
+        raise TypeError(
+            f"'name' must be a string or None. Received: "
+            f"name={checks.describe(name)}"
+        )
+    aggregate = checks.checked_bool(
+        aggregate_gradients, "experimental_aggregate_gradients"
+    ) and not checks.checked_bool(
+        skip_gradients_aggregation, "skip_gradients_aggregation"
+    )
+    if isinstance(grads_and_vars, (str, bytes, Mapping)) or not (
+        isinstance(grads_and_vars, Iterable)
+    ):
+        raise TypeError(
+            "'grads_and_vars' must be (gradient, variable) pairs, such as "
+            "zip(grads, model.trainable_variables). Received: "
+            f"grads_and_vars={checks.describe(grads_and_vars)}"
+        )
+    pairs = list(grads_and_vars)
+    if not pairs:
+        raise ValueError(
+            "'grads_and_vars' holds no (gradient, variable) pairs. A zip "
+            "can be iterated only once: was it used already? Pass "
+            "zip(grads, model.trainable_variables) anew at every step."
+        )
+    for index, pair in enumerate(pairs):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(
+                "'grads_and_vars' must be (gradient, variable) pairs, "
+                "such as zip(grads, model.trainable_variables). Received "
+                f"at position {index}: {checks.describe(pair)}"
+            )
+    return [g for g, _ in pairs], [v for _, v in pairs], aggregate
