@@ -301,7 +301,8 @@ class LossScaleOptimizer(
 
     @lr.setter
     def lr(self, value):
-        self.learning_rate = value
+        value = arguments.checked_learning_rate(value, "lr")
+        self._inner_optimizer.learning_rate = value
 
     def __setattr__(self, name, value):
         # Keras's optimizer tracks a variable assigned to any attribute

@@ -180,11 +180,11 @@ def checked_skip_options(max_skips, on_persistent_skips, record_nonfinite):
     return max_skips, str(on_persistent_skips), record_nonfinite
 
 
-def checked_learning_rate(value):
+def checked_learning_rate(value, argument: str = "learning_rate"):
     """`value` as the learning rate to assign: a number rounded to Keras's
     float dtype (the learning-rate variable's, float32 by default), checked
     after rounding; a tensor with a finite value, or a schedule or a
-    callable, as it is.
+    callable, as it is. Messages name `argument` (`"lr"` for the alias).
 
     Raises:
         TypeError: not a number, a floating scalar tensor, a schedule or a
@@ -202,33 +202,32 @@ def checked_learning_rate(value):
     if not checks.is_tensor(value):
         if not checks.is_real_number(value):
             raise TypeError(
-                "'learning_rate' must be a number, a scalar tensor or a "
+                f"'{argument}' must be a number, a scalar tensor or a "
                 "keras.optimizers.schedules.LearningRateSchedule. Received: "
-                f"learning_rate={checks.describe(value)}"
+                f"{argument}={checks.describe(value)}"
             )
         return checks.checked_float(
-            value, "learning_rate", allowed, math.isfinite, dtype
+            value, argument, allowed, math.isfinite, dtype
         )
     if checks.dtype_name(value) not in checks.FLOATING_DTYPES:
         raise TypeError(
-            "'learning_rate' must be floating point. Received: "
-            f"learning_rate={checks.describe(value)}"
+            f"'{argument}' must be floating point. Received: "
+            f"{argument}={checks.describe(value)}"
         )
     if tuple(value.shape) not in ((),):
         raise ValueError(
-            "'learning_rate' must be a scalar. Received: "
-            f"learning_rate={checks.describe(value)}"
+            f"'{argument}' must be a scalar. Received: "
+            f"{argument}={checks.describe(value)}"
         )
     number = checks.concrete_value(value)
     if number is not None:
         checks.checked_float(
             number,
-            "learning_rate",
+            argument,
             allowed,
             math.isfinite,
             dtype,
-            received=f"learning_rate={checks.describe(value)} of value "
-            f"{number}",
+            received=f"{argument}={checks.describe(value)} of value {number}",
         )
     return value
 

@@ -357,6 +357,39 @@ def test_learning_rate_that_float32_changes_is_refused(value):
     assert float(np.array(inner.learning_rate)) == 0.25
 
 
+@pytest.mark.parametrize("attribute", ["learning_rate", "lr"])
+@pytest.mark.parametrize(
+    "value, error",
+    [
+        (NAN, ValueError),
+        (1e39, ValueError),
+        ("0.1", TypeError),
+        (backends.tensor(INF), ValueError),
+        (backends.tensor([0.1, 0.2]), ValueError),
+        (backends.tensor(1, "int32"), TypeError),
+    ],
+    ids=["nan", "beyond_float32", "string", "inf_tensor", "vector", "int"],
+)
+def test_a_bad_learning_rate_is_refused_by_the_name_assigned(
+    attribute, value, error
+):
+    # `optimizer.lr = ...` (Keras 2's alias) is refused as `lr`.
+    inner = keras.optimizers.SGD(0.25)
+    optimizer = LossScaleOptimizer(inner)
+
+    def assign():
+        with pytest.raises(error) as caught:
+            setattr(optimizer, attribute, value)
+        message = str(caught.value)
+        assert f"'{attribute}' must be" in message
+        assert f"Received: {attribute}=" in message
+        if attribute == "lr":
+            assert "learning_rate" not in message
+
+    assert_unchanged_by(optimizer, assign)
+    assert float(np.array(inner.learning_rate)) == 0.25
+
+
 def test_legacy_names_pass_settings_through_the_same_door():
     assert mixed_precision.LossScaleOptimizer is LossScaleOptimizer
     with pytest.warns(experimental.LegacyAPIWarning):
