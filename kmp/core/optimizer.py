@@ -92,7 +92,8 @@ class LossScaleOptimizer(
     (the processes agree on the check: `kmp.core.torch_distributed`).
 
     Args:
-        inner_optimizer: The Keras optimizer to wrap (not a loss-scale one).
+        inner_optimizer: The Keras optimizer to wrap (not a loss-scale one),
+            with a finite learning rate (or a schedule, or a callable).
         dynamic: Whether the scale adapts (True) or stays fixed (False).
         initial_scale: The first scale, a finite number >= 1 (>= min_scale).
             Defaults to 2**15 when dynamic; required when fixed.
@@ -132,8 +133,9 @@ class LossScaleOptimizer(
             loss-scale optimizer; an argument has the wrong type (for
             `initial_scale` and `dynamic_growth_steps` an `ArgumentTypeError`,
             which is a `ValueError` too).
-        ValueError: an argument has a wrong value, or the optimizer is
-            created under an unsupported distribution strategy (TPU,
+        ValueError: an argument has a wrong value (the inner optimizer's
+            learning rate is not finite in float32, say), or the optimizer
+            is created under an unsupported distribution strategy (TPU,
             parameter servers).
 
     Example:

@@ -67,6 +67,7 @@ def check_inner(inner_optimizer):
             "twice. Leave it unset and pass the scale here instead: "
             "kmp.LossScaleOptimizer(inner, dynamic=False, initial_scale=...)."
         )
+    check_inner_learning_rate(inner_optimizer)
 
 
 def check_dynamic(dynamic):
@@ -230,6 +231,42 @@ def checked_learning_rate(value, argument: str = "learning_rate"):
             received=f"{argument}={checks.describe(value)} of value {number}",
         )
     return value
+
+
+def check_inner_learning_rate(inner_optimizer):
+    """Refuses an inner optimizer whose learning rate is not finite in
+    float32, the dtype every step checks it in (each step would be
+    skipped). Keras stores a number beyond float32, such as `SGD(1e39)`'s,
+    as inf. A schedule or a callable is left alone: its value is checked at
+    every step.
+    """
+    rate = getattr(inner_optimizer, "_learning_rate", None)
+    schedule = keras.optimizers.schedules.LearningRateSchedule
+    if isinstance(rate, schedule) or not (
+        checks.is_tensor(rate) or checks.is_real_number(rate)
+    ):
+        return
+    if checks.is_tensor(rate):
+        value = checks.concrete_value(rate)  # None for a symbolic tensor.
+        shown = f"{checks.describe(rate)} of value {value}"
+    else:
+        value, shown = rate, repr(rate)
+    if value is None:
+        return
+    try:
+        with np.errstate(over="ignore"):
+            finite = bool(np.isfinite(np.float32(value)))
+    except OverflowError:  # An int beyond float64.
+        finite = False
+    if not finite:
+        raise ValueError(
+            "The learning rate of 'inner_optimizer' must be a finite number "
+            "that fits in float32, as LossScaleOptimizer's learning_rate "
+            "setter requires: with any other, every step would be skipped "
+            "(Keras stores a number beyond float32, such as SGD(1e39)'s, as "
+            "inf). Received: inner_optimizer.learning_rate="
+            f"{shown}"
+        )
 
 
 def checked_config(config) -> dict:
