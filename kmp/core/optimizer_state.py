@@ -19,6 +19,7 @@ restores with the rest, checked with it: if they are refused, the scale and
 counter just read are put back too.
 """
 
+import contextlib
 import warnings
 from typing import List
 
@@ -47,6 +48,8 @@ class StateMixin:
     """The state half of `LossScaleOptimizer` (see the module docstring)."""
 
     keras_file_layout = False
+    # True while a caller reports persistent skips itself, after the step.
+    _skips_reported_by_caller = False
 
     def _create_state_variables(self):
         hysteresis = 1 if self._rule is None else self._rule.hysteresis
@@ -223,6 +226,20 @@ class StateMixin:
                 PersistentSkipsWarning,
                 stacklevel=2,
             )
+
+    @contextlib.contextmanager
+    def _skips_reported_after_step(self):
+        """A block whose pure (JAX) steps leave the persistent-skips report
+        to the caller, also where they run eagerly: an error raised inside
+        the step would lose the state it returns. The caller checks that
+        state with `check_persistent_skips` (fit's train function: the
+        `compile` patch)."""
+        before = self._skips_reported_by_caller
+        self._skips_reported_by_caller = True
+        try:
+            yield
+        finally:
+            self._skips_reported_by_caller = before
 
     def report_persistent_skips_now(self) -> None:
         """`report_persistent_skips` on the variables' values (eagerly)."""
