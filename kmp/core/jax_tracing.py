@@ -48,15 +48,17 @@ _STATELESS_CALLS = {
 }
 
 
-def check_live_scale(scale, method: str) -> None:
-    """Raises if the loss scale `method` (of `LossScaleOptimizer`) read is
-    frozen into a trace.
+def check_live_scale(variable, given, method: str) -> None:
+    """Raises if the loss scale `method` (of `LossScaleOptimizer`) reads
+    from `variable` would be frozen into a trace: when any of `given` (the
+    values it was called with) is traced and the variable is not mapped by
+    a Keras `StatelessScope`.
 
     Raises:
-        RuntimeError: `frozen_in_trace(scale)`; the message names the
+        RuntimeError: the scale would be frozen; the message names the
             stateless call to use instead.
     """
-    if frozen_in_trace(scale):
+    if any_tracer(given) and frozen_in_trace(variable.value):
         instead = _STATELESS_CALLS[method]
         raise RuntimeError(
             f"{method}() was called inside a function jax.jit is tracing, "

@@ -236,6 +236,9 @@ class KeepOnSkipMixin:
             variables: Keras variables, such as
                 `model.non_trainable_variables`.
 
+        Returns:
+            The context manager (entering it gives None).
+
         Raises:
             TypeError: `variables` is not a list of Keras variables.
             RuntimeError: on JAX, inside a function `jax.jit` traces.

@@ -1,32 +1,20 @@
 """`LossScaleOptimizer`: loss scaling for `model.fit` and for custom loops.
 
-It wraps any Keras optimizer and owns a few scalar variables: Keras's
-`dynamic_scale` and `step_counter`, plus the counts of skipped steps (in all
-and in a row) and the hysteresis count. Every step it
-
-* decides whether the gradients it gets are scaled (`kmp.core.recipes`);
-* sums them across replicas, once (TensorFlow's `tf.distribute`);
-* divides them by the scale if they are scaled;
-* checks them for inf/NaN (after aggregation, so every replica decides
-  alike; `torch.distributed` processes agree on it) and applies them with
-  the inner optimizer only if all are finite:
-  a skipped step ends with the variables, the inner optimizer's slots and
-  `iterations` exactly as they were, and with the variables open
-  `keep_on_skip` blocks read (`kmp.core.kept_state`) written back;
-* assigns the state `kmp.core.loss_scale.ScaleRule.next` returns (a fixed
-  scale is left as it is).
-
-How a step is applied depends on the backend: `kmp.core.tf_apply` on
-TensorFlow, a pure `stateless_apply` on JAX, and eagerly on torch.
+Every step it decides whether the gradients it gets are scaled
+(`kmp.core.recipes`), sums them across replicas once (`tf.distribute`),
+divides them by the scale if they are scaled, checks them for inf/NaN
+(after the sum, so every replica decides alike), applies them with the
+inner optimizer only if all are finite, and assigns the state the scale rule
+returns (`kmp.core.loss_scale`). The class holds the variables and reads
+like Keras's own; beside it are the checks of its arguments
+(`optimizer_arguments`), its state (`optimizer_state`), the scaling calls
+(`optimizer_scaling`), the state a skipped step puts back (`kept_state`),
+and each backend's step (`steps`, `tf_steps`, `stateless`).
 """
 
-from typing import Iterable
-from typing import List
-from typing import Mapping
 from typing import Optional
 
 import keras
-from keras import ops
 from keras.src.saving import serialization_lib
 
 from kmp.core import backend
@@ -34,11 +22,11 @@ from kmp.core import checks
 from kmp.core import kept_state
 from kmp.core import loss_scale as rule_module
 from kmp.core import optimizer_arguments as arguments
-from kmp.core import recipes as recipes_module
-from kmp.core import scaling
+from kmp.core import recipes
 from kmp.core import stateless
 from kmp.core import steps
 from kmp.core.optimizer_arguments import ArgumentTypeError
+from kmp.core.optimizer_scaling import ScalingMixin
 from kmp.core.optimizer_state import PersistentSkipsWarning
 from kmp.core.optimizer_state import StateMixin
 from kmp.core.optimizer_state import read_value
@@ -46,17 +34,17 @@ from kmp.core.optimizer_state import read_value
 if backend.is_tensorflow():
     from kmp.core import tf_apply
     from kmp.core import tf_steps
-if backend.is_jax():
-    from kmp.core import jax_tracing
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 _KerasOptimizer = keras.optimizers.Optimizer
-_MAX_SKIPS = 2**31 - 1
 
 
 @keras.saving.register_keras_serializable(package="kmp")
 class LossScaleOptimizer(
-    StateMixin, kept_state.KeepOnSkipMixin, _KerasLossScaleOptimizer
+    StateMixin,
+    ScalingMixin,
+    kept_state.KeepOnSkipMixin,
+    _KerasLossScaleOptimizer,
 ):
     """Wraps a Keras optimizer and scales the loss so float16 gradients survive.
 
@@ -89,34 +77,23 @@ class LossScaleOptimizer(
 
     On JAX, `stateless_scale_loss` / `stateless_unscale_gradients` take the
     optimizer's variables explicitly, for loops over `stateless_apply`
-    (inside `jax.jit` the stateful calls raise: the scale they read would
-    be a constant of the compiled step).
+    (inside `jax.jit` the stateful calls raise).
 
-    What a skipped step leaves exactly as it was, bit for bit:
-
-    * always: the variables it was to update, the inner optimizer's slots
-      and `iterations`;
-    * in `fit` (with kmp's `compile` patch, installed by `import kmp`): also
-      the model's non-trainable variables (`model.non_trainable_variables`:
-      BatchNormalization's moving statistics, seed-generator states, any
-      variable a layer assigns in its training call), which the forward
-      pass of the same step wrote (inf/NaN after a float16 overflow);
-    * in a custom loop: the variables passed to `keep_on_skip` (around the
-      whole step) or, in a JAX loop, the values `stateless_keep_on_skip`
-      picks.
-
-    Not restored: the loss-scale state (it records the skip); Keras metrics
-    (they record the step's loss, inf/NaN included, as Keras's and
-    tf.keras's loss-scale optimizers do, so the logs show the overflow);
-    other state outside these (another optimizer's, Python attributes, a
-    custom `train_step`'s own variables unless passed to `keep_on_skip`).
+    A skipped step leaves the variables it was to update, the inner
+    optimizer's slots and `iterations` exactly as they were, bit for bit;
+    in `fit` also the model's non-trainable variables (BatchNormalization's
+    moving statistics), which the forward pass of the same step wrote; in
+    a custom loop those passed to `keep_on_skip` (`stateless_keep_on_skip`
+    in a JAX loop). Not restored: the loss-scale state (it records the
+    skip), Keras metrics (they log the inf/NaN loss, as Keras's own do).
 
     A step not finite on one replica or process is skipped on all. Under
     `torch.distributed`, every process calls `apply_gradients` at each step
     (the processes agree on the check: `kmp.core.torch_distributed`).
 
     Args:
-        inner_optimizer: The Keras optimizer to wrap (not a loss-scale one).
+        inner_optimizer: The Keras optimizer to wrap (not a loss-scale one),
+            with a finite learning rate (or a schedule, or a callable).
         dynamic: Whether the scale adapts (True) or stays fixed (False).
         initial_scale: The first scale, a finite number >= 1 (>= min_scale).
             Defaults to 2**15 when dynamic; required when fixed.
@@ -145,20 +122,21 @@ class LossScaleOptimizer(
 
     A number may be any real number (a Python or NumPy int or float, a
     `Fraction`, a `Decimal`). The scale and the rule's settings are rounded
-    to float32, the dtype they are applied in, when the optimizer is made,
-    and checked after rounding: the properties, `get_config` and the checks
-    of restored state all use the rounded values (`min_scale=0.7` is
-    0.699999988079071), and a value float32 changes in meaning (a factor
-    that rounds to 1, a non-zero that rounds to 0, one beyond float32's
-    range) is refused.
+    to float32, the dtype they are applied in, once, and checked after
+    rounding; the properties, `get_config` and the checks of restored state
+    use the rounded values (`min_scale=0.7` is 0.699999988079071), and a
+    value float32 changes in meaning (a factor that rounds to 1, a non-zero
+    that rounds to 0, one beyond float32's range) is refused.
 
     Raises:
         TypeError: `inner_optimizer` is not a Keras optimizer, or is already a
             loss-scale optimizer; an argument has the wrong type (for
             `initial_scale` and `dynamic_growth_steps` an `ArgumentTypeError`,
             which is a `ValueError` too).
-        ValueError: an argument has a wrong value, or the optimizer is created
-            under an unsupported distribution strategy (TPU, parameter servers).
+        ValueError: an argument has a wrong value (the inner optimizer's
+            learning rate is not finite in float32, say), or the optimizer
+            is created under an unsupported distribution strategy (TPU,
+            parameter servers).
 
     Example:
 
@@ -211,16 +189,7 @@ class LossScaleOptimizer(
             max_consecutive_skips, on_persistent_skips, record_nonfinite
         )
         if backend.is_tensorflow():
-            strategy = tf_apply.unsupported_strategy()
-            if strategy is not None:
-                raise ValueError(
-                    "kmp.LossScaleOptimizer supports the default strategy, "
-                    "MirroredStrategy, MultiWorkerMirroredStrategy and "
-                    f"OneDeviceStrategy. Received: {type(strategy).__name__}"
-                    ", under which skipped steps could not be made "
-                    "consistent. On TPUs use the 'mixed_bfloat16' policy, "
-                    "which needs no loss scaling."
-                )
+            tf_apply.check_strategy()
         # Keras's LossScaleOptimizer is the base class so that Keras treats
         # this one as a loss-scale optimizer (compile does not wrap it
         # again); its constructor mutates the inner optimizer, so it is
@@ -240,12 +209,10 @@ class LossScaleOptimizer(
         self._on_persistent_skips = on_persistent_skips
         self._record_nonfinite = record_nonfinite
         self._warned_persistent_skips = False
-        self._recipes = recipes_module.Recipes()
+        self._recipes = recipes.Recipes()
         self._kept_states = kept_state.KeptStates()
         self.nonfinite_mask = None
         self._create_state_variables()
-
-    # --- Properties ---------------------------------------------------------
 
     @property
     def inner_optimizer(self) -> _KerasOptimizer:
@@ -259,9 +226,11 @@ class LossScaleOptimizer(
 
     @property
     def initial_scale(self) -> float:
-        """The loss scale training started with, a Python float (the float32
-        value the scale variable holds: `initial_scale=1000.1` gives
-        1000.0999755859375)."""
+        """The loss scale training started with, a Python float.
+
+        It is the float32 value the scale variable holds:
+        `initial_scale=1000.1` gives 1000.0999755859375.
+        """
         return self._initial_scale
 
     @property
@@ -307,28 +276,6 @@ class LossScaleOptimizer(
         return read_value(self.consecutive_skips_variable)
 
     @property
-    def nonfinite_variables(self) -> List[str]:
-        """Paths of the variables with inf/NaN gradients on the last skip.
-
-        Empty before any skipped step.
-
-        Raises:
-            ValueError: the optimizer was created without
-                `record_nonfinite=True`.
-        """
-        if not self._record_nonfinite:
-            raise ValueError(
-                "nonfinite_variables is recorded only when the optimizer is "
-                "created with record_nonfinite=True."
-            )
-        if self.nonfinite_mask is None:
-            return []
-        mask = ops.convert_to_numpy(self.nonfinite_mask)
-        return [
-            v.path for v, bad in zip(self._trainable_variables, mask) if bad
-        ]
-
-    @property
     def variables(self):
         return self._variables + self._inner_optimizer.variables
 
@@ -348,14 +295,16 @@ class LossScaleOptimizer(
 
     @property
     def lr(self):
-        """Keras 2's alias of `learning_rate` (read and assign, with its
-        checks), for code ported from `tf.keras`; Keras 3's optimizers have
-        no `lr`."""
+        """Keras 2's alias of `learning_rate`, read and assigned alike.
+
+        For code ported from `tf.keras`; Keras 3's optimizers have no `lr`.
+        """
         return self.learning_rate
 
     @lr.setter
     def lr(self, value):
-        self.learning_rate = value
+        value = arguments.checked_learning_rate(value, "lr")
+        self._inner_optimizer.learning_rate = value
 
     def __setattr__(self, name, value):
         # Keras's optimizer tracks a variable assigned to any attribute
@@ -368,169 +317,10 @@ class LossScaleOptimizer(
             return
         super().__setattr__(name, value)
 
-    # --- Scaling ------------------------------------------------------------
-
-    def scale_loss(self, loss):
-        """Keras 3's hook, called by `fit`: scales like `get_scaled_loss`.
-
-        The gradients of its result go to `apply_gradients` still scaled,
-        which unscales them (see `kmp.core.recipes`).
-
-        Args:
-            loss: A floating scalar tensor or number.
-
-        Returns:
-            `loss` times the current scale, in `loss`'s dtype.
-
-        Raises:
-            TypeError: `loss` is not floating point.
-            RuntimeError: on JAX, inside `jax.jit` outside a Keras
-                `StatelessScope` that maps the optimizer's variables (the
-                scale read would be a constant): use
-                `stateless_scale_loss`.
-        """
-        scaled = self._scaled(loss, self._live_scale([loss], "scale_loss"))
-        self._recipes.scale_called(recipes_module.SCALED)
-        return scaled
-
-    def get_scaled_loss(self, loss):
-        """Returns `loss` times the current scale, in `loss`'s dtype.
-
-        Then `apply_gradients` takes gradients unscaled by
-        `get_unscaled_gradients`.
-
-        Args:
-            loss: A floating scalar tensor or number, or a callable returning
-                one (then a callable is returned).
-
-        Returns:
-            The scaled loss (or a callable returning it).
-
-        Raises:
-            TypeError: `loss` is not floating point.
-            RuntimeError: on JAX, inside `jax.jit` (the scale read would be
-                a constant of the compiled step): use
-                `stateless_scale_loss` there.
-        """
-        if callable(loss) and not checks.is_tensor(loss):
-            return lambda: self.get_scaled_loss(loss())
-        scaled = self._scaled(loss, self._live_scale([loss], "get_scaled_loss"))
-        self._recipes.scale_called(recipes_module.UNSCALED)
-        return scaled
-
-    def get_unscaled_gradients(self, grads: Iterable) -> List:
-        """Divides each gradient by the current scale, keeping its dtype.
-
-        The division happens in float32 (or float64), never in float16.
-
-        Args:
-            grads: Gradients of a scaled loss: tensors, `tf.IndexedSlices`
-                (unscaled on their values, kept sparse) or `None` (kept).
-
-        Returns:
-            A list of the unscaled gradients, in order.
-
-        Raises:
-            TypeError: `grads` is not an iterable of gradients.
-            RuntimeError: on JAX, inside `jax.jit` (the scale read would be
-                a constant of the compiled step): use
-                `stateless_unscale_gradients` there.
-        """
-        grads = arguments.checked_gradient_list(grads, "grads")
-        scale = self._live_scale(grads, "get_unscaled_gradients")
-        with backend_name_scope(self):
-            unscaled = scaling.unscale_gradients(grads, scale)
-        self._recipes.unscale_called(grads, unscaled)
-        return unscaled
-
-    def stateless_scale_loss(self, optimizer_variables, loss):
-        """`scale_loss` with the scale taken from `optimizer_variables`.
-
-        For JAX loops over `stateless_apply`: pass the optimizer variables of
-        the step, so a jitted function sees the current scale.
-
-        Args:
-            optimizer_variables: Values of `optimizer.variables`, as the step
-                receives them.
-            loss: A floating scalar tensor or number.
-
-        Returns:
-            `loss` times the scale held in `optimizer_variables`.
-
-        Raises:
-            TypeError: `loss` is not floating point.
-
-        Example:
-
-        >>> opt = LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=4)
-        >>> values = [v.value for v in opt.variables]
-        >>> float(opt.stateless_scale_loss(values, 0.5))
-        2.0
-        """
-        scaled = self._scaled(
-            loss, stateless.scale_of(self, optimizer_variables)
-        )
-        self._recipes.scale_called(recipes_module.SCALED)
-        return scaled
-
-    def stateless_unscale_gradients(self, optimizer_variables, grads):
-        """`get_unscaled_gradients` with the scale from the variables given.
-
-        `stateless_apply` applies its results as they are.
-
-        Args:
-            optimizer_variables: Values of `optimizer.variables`, as the step
-                receives them.
-            grads: Gradients of a scaled loss (tensors or None).
-
-        Returns:
-            A list of the unscaled gradients, in order.
-
-        Raises:
-            TypeError: `grads` is not an iterable of gradients.
-        """
-        grads = arguments.checked_gradient_list(grads, "grads")
-        scale = stateless.scale_of(self, optimizer_variables)
-        unscaled = scaling.unscale_gradients(grads, scale)
-        self._recipes.unscale_called(grads, unscaled)
-        return unscaled
-
-    def _live_scale(self, given, method):
-        """The scale variable, checked on JAX: inside `jax.jit` (not in a
-        `StatelessScope` that maps it) its value would be a constant."""
-        if backend.is_jax() and jax_tracing.any_tracer(given):
-            jax_tracing.check_live_scale(self.dynamic_scale.value, method)
-        return self.dynamic_scale
-
-    def _scaled(self, loss, scale):
-        loss = arguments.checked_loss(loss)
-        return scaling.scale_tensor(loss, scale, divide=False)
-
-    def check_finite(self, grads):
-        """Whether no gradient has an inf or a NaN.
-
-        Args:
-            grads: Gradients (tensors or None).
-
-        Returns:
-            A bool scalar tensor.
-        """
-        return scaling.all_finite(grads)
-
-    # --- Applying -----------------------------------------------------------
-
     def build(self, var_list):
         self._inner_optimizer.build(var_list)
         _KerasOptimizer.build(self, var_list)
-        if self._record_nonfinite and self.nonfinite_mask is None:
-            with backend_name_scope(self):
-                self.nonfinite_mask = self.add_variable(
-                    shape=(len(self._trainable_variables),),
-                    initializer="zeros",
-                    dtype="bool",
-                    aggregation="only_first_replica",
-                    name="nonfinite_mask",
-                )
+        self._create_nonfinite_mask()
 
     def apply_gradients(
         self,
@@ -566,41 +356,13 @@ class LossScaleOptimizer(
                 pairs, for no pairs at all (an exhausted `zip`), and for
                 Keras 2's arguments of the wrong type.
         """
-        if name is not None and not isinstance(name, str):
-            raise TypeError(
-                f"'name' must be a string or None. Received: "
-                f"name={checks.describe(name)}"
-            )
-        aggregate = checks.checked_bool(
-            experimental_aggregate_gradients, "experimental_aggregate_gradients"
-        ) and not checks.checked_bool(
-            skip_gradients_aggregation, "skip_gradients_aggregation"
+        grads, variables, aggregate = arguments.checked_pairs(
+            grads_and_vars,
+            name,
+            experimental_aggregate_gradients,
+            skip_gradients_aggregation,
         )
-        if isinstance(grads_and_vars, (str, bytes, Mapping)) or not (
-            isinstance(grads_and_vars, Iterable)
-        ):
-            raise TypeError(
-                "'grads_and_vars' must be (gradient, variable) pairs, such as "
-                "zip(grads, model.trainable_variables). Received: "
-                f"grads_and_vars={checks.describe(grads_and_vars)}"
-            )
-        pairs = list(grads_and_vars)
-        if not pairs:
-            raise ValueError(
-                "'grads_and_vars' holds no (gradient, variable) pairs. A zip "
-                "can be iterated only once: was it used already? Pass "
-                "zip(grads, model.trainable_variables) anew at every step."
-            )
-        for index, pair in enumerate(pairs):
-            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                raise TypeError(
-                    "'grads_and_vars' must be (gradient, variable) pairs, "
-                    "such as zip(grads, model.trainable_variables). Received "
-                    f"at position {index}: {checks.describe(pair)}"
-                )
-        self._apply(
-            [g for g, _ in pairs], [v for _, v in pairs], aggregate=aggregate
-        )
+        self._apply(grads, variables, aggregate=aggregate)
         return self.iterations
 
     def apply(self, grads, trainable_variables=None):
@@ -636,24 +398,16 @@ class LossScaleOptimizer(
         if not grads:
             return  # As Keras: no gradients, no step.
         if backend.is_tensorflow():
-            tf = backend.tensorflow()
-            if tf.distribute.has_strategy() and (
-                tf.distribute.in_cross_replica_context()
-            ):
-                raise ValueError(
-                    "apply_gradients() must be called in a replica context, "
-                    "inside strategy.run(...), not directly under "
-                    "strategy.scope()."
-                )
+            tf_apply.check_replica_context()
         if not self.built:
-            with backend_name_scope(self):
+            with _name_scope(self):
                 self.build(trainable_variables)
             self.built = True
         self._check_variables_are_known(trainable_variables)
         scaled = self._recipes.grads_are_scaled(grads)
         grads = steps.raw_overwrite_gradients(self, grads, trainable_variables)
         self._recipes.applied()
-        with backend_name_scope(self):
+        with _name_scope(self):
             if backend.is_tensorflow():
                 tf_steps.apply(
                     self, grads, trainable_variables, scaled, aggregate
@@ -688,8 +442,6 @@ class LossScaleOptimizer(
     def finalize_variable_values(self, var_list):
         self._inner_optimizer.finalize_variable_values(var_list)
 
-    # --- Serialization ------------------------------------------------------
-
     def get_config(self) -> dict:
         """Keras's four keys, and kmp's settings where not at the default.
 
@@ -710,12 +462,7 @@ class LossScaleOptimizer(
             "on_persistent_skips": self._on_persistent_skips,
             "record_nonfinite": self._record_nonfinite,
         }
-        defaults = {
-            "dynamic": True,
-            "max_consecutive_skips": 1000,
-            "on_persistent_skips": "warn",
-            "record_nonfinite": False,
-        }
+        defaults = arguments.DEFAULT_SETTINGS
         config.update({k: v for k, v in settings.items() if v != defaults[k]})
         config.update(self._knobs)
         return config
@@ -735,20 +482,14 @@ class LossScaleOptimizer(
         Raises:
             ValueError: `config` is not such a dict.
         """
-        if not isinstance(config, Mapping) or "inner_optimizer" not in config:
-            raise ValueError(
-                "'config' must be a dict with at least the key "
-                "'inner_optimizer', as returned by get_config(). Received: "
-                f"config={checks.describe(config)}"
-            )
-        config = dict(config)
+        config = arguments.checked_config(config)
         inner = serialization_lib.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
 
 
-def backend_name_scope(optimizer):
+def _name_scope(optimizer):
     return keras.name_scope(optimizer.name, caller=optimizer)
 
 

@@ -20,6 +20,13 @@ from kmp.core import loss_scale as rule_module
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 _KerasOptimizer = keras.optimizers.Optimizer
 _MAX_SKIPS = 2**31 - 1
+# kmp's settings at their defaults, which get_config leaves out.
+DEFAULT_SETTINGS = {
+    "dynamic": True,
+    "max_consecutive_skips": 1000,
+    "on_persistent_skips": "warn",
+    "record_nonfinite": False,
+}
 
 
 class ArgumentTypeError(TypeError, ValueError):
@@ -60,6 +67,7 @@ def check_inner(inner_optimizer):
             "twice. Leave it unset and pass the scale here instead: "
             "kmp.LossScaleOptimizer(inner, dynamic=False, initial_scale=...)."
         )
+    check_inner_learning_rate(inner_optimizer)
 
 
 def check_dynamic(dynamic):
@@ -173,11 +181,11 @@ def checked_skip_options(max_skips, on_persistent_skips, record_nonfinite):
     return max_skips, str(on_persistent_skips), record_nonfinite
 
 
-def checked_learning_rate(value):
+def checked_learning_rate(value, argument: str = "learning_rate"):
     """`value` as the learning rate to assign: a number rounded to Keras's
     float dtype (the learning-rate variable's, float32 by default), checked
     after rounding; a tensor with a finite value, or a schedule or a
-    callable, as it is.
+    callable, as it is. Messages name `argument` (`"lr"` for the alias).
 
     Raises:
         TypeError: not a number, a floating scalar tensor, a schedule or a
@@ -195,35 +203,81 @@ def checked_learning_rate(value):
     if not checks.is_tensor(value):
         if not checks.is_real_number(value):
             raise TypeError(
-                "'learning_rate' must be a number, a scalar tensor or a "
+                f"'{argument}' must be a number, a scalar tensor or a "
                 "keras.optimizers.schedules.LearningRateSchedule. Received: "
-                f"learning_rate={checks.describe(value)}"
+                f"{argument}={checks.describe(value)}"
             )
         return checks.checked_float(
-            value, "learning_rate", allowed, math.isfinite, dtype
+            value, argument, allowed, math.isfinite, dtype
         )
     if checks.dtype_name(value) not in checks.FLOATING_DTYPES:
         raise TypeError(
-            "'learning_rate' must be floating point. Received: "
-            f"learning_rate={checks.describe(value)}"
+            f"'{argument}' must be floating point. Received: "
+            f"{argument}={checks.describe(value)}"
         )
     if tuple(value.shape) not in ((),):
         raise ValueError(
-            "'learning_rate' must be a scalar. Received: "
-            f"learning_rate={checks.describe(value)}"
+            f"'{argument}' must be a scalar. Received: "
+            f"{argument}={checks.describe(value)}"
         )
     number = checks.concrete_value(value)
     if number is not None:
         checks.checked_float(
             number,
-            "learning_rate",
+            argument,
             allowed,
             math.isfinite,
             dtype,
-            received=f"learning_rate={checks.describe(value)} of value "
-            f"{number}",
+            received=f"{argument}={checks.describe(value)} of value {number}",
         )
     return value
+
+
+def check_inner_learning_rate(inner_optimizer):
+    """Refuses an inner optimizer whose learning rate is not finite in
+    float32, the dtype every step checks it in (each step would be
+    skipped). Keras stores a number beyond float32, such as `SGD(1e39)`'s,
+    as inf. A schedule or a callable is left alone: its value is checked at
+    every step.
+    """
+    rate = getattr(inner_optimizer, "_learning_rate", None)
+    schedule = keras.optimizers.schedules.LearningRateSchedule
+    if isinstance(rate, schedule) or not (
+        checks.is_tensor(rate) or checks.is_real_number(rate)
+    ):
+        return
+    if checks.is_tensor(rate):
+        value = checks.concrete_value(rate)  # None for a symbolic tensor.
+        shown = f"{checks.describe(rate)} of value {value}"
+    else:
+        value, shown = rate, repr(rate)
+    if value is None:
+        return
+    try:
+        with np.errstate(over="ignore"):
+            finite = bool(np.isfinite(np.float32(value)))
+    except OverflowError:  # An int beyond float64.
+        finite = False
+    if not finite:
+        raise ValueError(
+            "The learning rate of 'inner_optimizer' must be a finite number "
+            "that fits in float32, as LossScaleOptimizer's learning_rate "
+            "setter requires: with any other, every step would be skipped "
+            "(Keras stores a number beyond float32, such as SGD(1e39)'s, as "
+            "inf). Received: inner_optimizer.learning_rate="
+            f"{shown}"
+        )
+
+
+def checked_config(config) -> dict:
+    """A copy of `config`, if it is a dict as `get_config()` returns."""
+    if not isinstance(config, Mapping) or "inner_optimizer" not in config:
+        raise ValueError(
+            "'config' must be a dict with at least the key "
+            "'inner_optimizer', as returned by get_config(). Received: "
+            f"config={checks.describe(config)}"
+        )
+    return dict(config)
 
 
 def check_keras_kwargs(kwargs):
@@ -357,3 +411,52 @@ def checked_gradient_list(grads, argument) -> List:
             )
         grads[index] = gradient
     return grads
+
+
+def checked_pairs(
+    grads_and_vars, name, aggregate_gradients, skip_gradients_aggregation
+):
+    """`apply_gradients`' arguments as `(grads, variables, aggregate)`.
+
+    `name`, `experimental_aggregate_gradients` and Keras 2.11's
+    `skip_gradients_aggregation` are Keras 2's, accepted for ported code:
+    `aggregate` is False when either says the gradients are summed already.
+
+    Raises:
+        TypeError: pairs that are not pairs, or a Keras 2 argument of the
+            wrong type.
+        ValueError: no pairs at all (an exhausted `zip`).
+    """
+    if name is not None and not isinstance(name, str):
+        raise TypeError(
+            f"'name' must be a string or None. Received: "
+            f"name={checks.describe(name)}"
+        )
+    aggregate = checks.checked_bool(
+        aggregate_gradients, "experimental_aggregate_gradients"
+    ) and not checks.checked_bool(
+        skip_gradients_aggregation, "skip_gradients_aggregation"
+    )
+    if isinstance(grads_and_vars, (str, bytes, Mapping)) or not (
+        isinstance(grads_and_vars, Iterable)
+    ):
+        raise TypeError(
+            "'grads_and_vars' must be (gradient, variable) pairs, such as "
+            "zip(grads, model.trainable_variables). Received: "
+            f"grads_and_vars={checks.describe(grads_and_vars)}"
+        )
+    pairs = list(grads_and_vars)
+    if not pairs:
+        raise ValueError(
+            "'grads_and_vars' holds no (gradient, variable) pairs. A zip "
+            "can be iterated only once: was it used already? Pass "
+            "zip(grads, model.trainable_variables) anew at every step."
+        )
+    for index, pair in enumerate(pairs):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(
+                "'grads_and_vars' must be (gradient, variable) pairs, "
+                "such as zip(grads, model.trainable_variables). Received "
+                f"at position {index}: {checks.describe(pair)}"
+            )
+    return [g for g, _ in pairs], [v for _, v in pairs], aggregate

@@ -19,7 +19,9 @@ restores with the rest, checked with it: if they are refused, the scale and
 counter just read are put back too.
 """
 
+import contextlib
 import warnings
+from typing import List
 
 import keras
 import numpy as np
@@ -46,6 +48,8 @@ class StateMixin:
     """The state half of `LossScaleOptimizer` (see the module docstring)."""
 
     keras_file_layout = False
+    # True while a caller reports persistent skips itself, after the step.
+    _skips_reported_by_caller = False
 
     def _create_state_variables(self):
         hysteresis = 1 if self._rule is None else self._rule.hysteresis
@@ -77,6 +81,41 @@ class StateMixin:
             name=name,
         )
 
+    def _create_nonfinite_mask(self):
+        """The mask `nonfinite_variables` reads, once the optimizer knows
+        its variables (at `build`), with `record_nonfinite=True`."""
+        if self._record_nonfinite and self.nonfinite_mask is None:
+            with _name_scope(self):
+                self.nonfinite_mask = self.add_variable(
+                    shape=(len(self._trainable_variables),),
+                    initializer="zeros",
+                    dtype="bool",
+                    aggregation="only_first_replica",
+                    name="nonfinite_mask",
+                )
+
+    @property
+    def nonfinite_variables(self) -> List[str]:
+        """Paths of the variables with inf/NaN gradients on the last skip.
+
+        Empty before any skipped step.
+
+        Raises:
+            ValueError: the optimizer was created without
+                `record_nonfinite=True`.
+        """
+        if not self._record_nonfinite:
+            raise ValueError(
+                "nonfinite_variables is recorded only when the optimizer is "
+                "created with record_nonfinite=True."
+            )
+        if self.nonfinite_mask is None:
+            return []
+        mask = ops.convert_to_numpy(self.nonfinite_mask)
+        return [
+            v.path for v, bad in zip(self._trainable_variables, mask) if bad
+        ]
+
     def _keras_variables(self):
         """Keras's own four, which its LossScaleOptimizer saves."""
         return [v for v in self._variables[:4]]
@@ -87,7 +126,16 @@ class StateMixin:
         """Assigns the counters, the mask and the rule's new scale.
 
         Works on variables and, inside a Keras `StatelessScope`, on the
-        values it maps them to. Returns the new count of skips in a row.
+        values it maps them to.
+
+        Args:
+            finite: Whether the step's gradients were all finite.
+            apply_ok: Whether the step was applied.
+            per_gradient: The finite flag of each gradient, or None.
+            variables: The variables of those gradients.
+
+        Returns:
+            The new count of skips in a row.
         """
         count_dtype = self.consecutive_skips_variable.dtype
         skipped = ops.cast(ops.logical_not(apply_ok), count_dtype)
@@ -122,6 +170,15 @@ class StateMixin:
     # --- Persistent skips ---------------------------------------------------
 
     def persistent_skips_message(self, in_a_row, scale) -> str:
+        """What persistent skips are likely caused by, for the report.
+
+        Args:
+            in_a_row: The count of skipped steps in a row.
+            scale: The loss scale now.
+
+        Returns:
+            The message.
+        """
         if self._dynamic:
             cause = (
                 "Likely causes: a layer overflows in its forward pass "
@@ -147,7 +204,15 @@ class StateMixin:
         )
 
     def report_persistent_skips(self, in_a_row, scale) -> None:
-        """Warns once, or raises, if `in_a_row` reached the limit."""
+        """Warns once, or raises, if `in_a_row` reached the limit.
+
+        Args:
+            in_a_row: The count of skipped steps in a row.
+            scale: The loss scale now.
+
+        Raises:
+            FloatingPointError: with `on_persistent_skips="raise"`.
+        """
         limit = self._max_consecutive_skips
         if limit is None or int(in_a_row) < limit:
             return
@@ -161,6 +226,20 @@ class StateMixin:
                 PersistentSkipsWarning,
                 stacklevel=2,
             )
+
+    @contextlib.contextmanager
+    def _skips_reported_after_step(self):
+        """A block whose pure (JAX) steps leave the persistent-skips report
+        to the caller, also where they run eagerly: an error raised inside
+        the step would lose the state it returns. The caller checks that
+        state with `check_persistent_skips` (fit's train function: the
+        `compile` patch)."""
+        before = self._skips_reported_by_caller
+        self._skips_reported_by_caller = True
+        try:
+            yield
+        finally:
+            self._skips_reported_by_caller = before
 
     def report_persistent_skips_now(self) -> None:
         """`report_persistent_skips` on the variables' values (eagerly)."""
@@ -335,7 +414,11 @@ class StateMixin:
             variable.assign(value)
 
     def state_variables(self) -> dict:
-        """The loss-scale state by name, as saved in checkpoints."""
+        """The loss-scale state by name, as saved in checkpoints.
+
+        Returns:
+            A dict of name -> variable.
+        """
         return {
             "scale": self.dynamic_scale,
             "counter": self.step_counter,
@@ -351,6 +434,9 @@ class StateMixin:
             values: name -> NumPy value, for the names of `state_variables`
                 present in what is restored.
             source: Where they come from, for the message.
+
+        Raises:
+            ValueError: a value breaks an invariant; nothing is assigned.
         """
         where = f"The loss-scale state restored from {source}"
         for name, value in values.items():
@@ -418,24 +504,11 @@ class StateMixin:
         # In a tf.train.Checkpoint this optimizer looks like its inner one
         # plus the loss-scale state, so checkpoints carry over between a
         # plain and a loss-scale optimizer, both ways.
-        # TensorFlow restores the check (Python state) before any tensor.
         children = {}
         if backend.is_tensorflow():
             from kmp.core import tf_checkpoint
 
-            state = self.__dict__.get("_checkpoint_state")
-            if state is None:
-                state = tf_checkpoint.LossScaleState(self)
-                object.__setattr__(self, "_checkpoint_state", state)
-            children["loss_scale_state"] = state
-            check = self.__dict__.get("_checkpoint_check")
-            if check is None:
-                check = tf_checkpoint.LossScaleCheck(self)
-                object.__setattr__(self, "_checkpoint_check", check)
-            # A SavedModel freezes Python state in a graph, where the check
-            # cannot read the variables; nothing kmp-made restores it.
-            if save_type != "savedmodel":
-                children["loss_scale_check"] = check
+            children = tf_checkpoint.loss_scale_children(self, save_type)
         children.update(
             self._inner_optimizer._trackable_children(save_type, **kwargs)
         )

@@ -148,11 +148,15 @@ def value_of(optimizer, optimizer_variables, variable):
 
 
 def _report(optimizer, in_a_row, scale):
-    """The persistent-skips report, now; in a JAX trace, left to
-    `check_persistent_skips` on the step's results (which `fit` calls
-    after every step): a host callback inside the step would cost more
-    than the rest of the loss scaling on models of many small variables."""
-    if optimizer._max_consecutive_skips is None:
+    """The persistent-skips report, now; in a JAX trace (or inside
+    `_skips_reported_after_step`), left to `check_persistent_skips` on the
+    step's results (which `fit` calls after every step): a host callback
+    inside the step would cost more than the rest of the loss scaling on
+    models of many small variables."""
+    if (
+        optimizer._max_consecutive_skips is None
+        or optimizer._skips_reported_by_caller
+    ):
         return
     if backend.is_jax():
         import jax

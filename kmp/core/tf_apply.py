@@ -56,9 +56,9 @@ def restorable_types(extra=()) -> tuple:
     ) + tuple(extra)
 
 
-def unsupported_strategy():
-    """The current strategy if it is one kmp refuses (TPU, parameter server,
-    central storage), else None."""
+def check_strategy() -> None:
+    """Raises `ValueError` under a strategy kmp refuses (TPU, parameter
+    server, central storage), when a `LossScaleOptimizer` is made."""
     names = (
         ("TPUStrategy", tf.distribute),
         ("TPUStrategy", tf.distribute.experimental),
@@ -69,7 +69,27 @@ def unsupported_strategy():
         getattr(module, name) for name, module in names if hasattr(module, name)
     )
     strategy = tf.distribute.get_strategy()
-    return strategy if isinstance(strategy, types) else None
+    if isinstance(strategy, types):
+        raise ValueError(
+            "kmp.LossScaleOptimizer supports the default strategy, "
+            "MirroredStrategy, MultiWorkerMirroredStrategy and "
+            f"OneDeviceStrategy. Received: {type(strategy).__name__}, under "
+            "which skipped steps could not be made consistent. On TPUs use "
+            "the 'mixed_bfloat16' policy, which needs no loss scaling."
+        )
+
+
+def check_replica_context() -> None:
+    """Raises `ValueError` if a step is applied under a strategy in its
+    cross-replica context."""
+    if (
+        tf.distribute.has_strategy()
+        and tf.distribute.in_cross_replica_context()
+    ):
+        raise ValueError(
+            "apply_gradients() must be called in a replica context, inside "
+            "strategy.run(...), not directly under strategy.scope()."
+        )
 
 
 def in_xla_context() -> bool:

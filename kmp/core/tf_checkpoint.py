@@ -29,6 +29,27 @@ from kmp.core import backend
 tf = backend.tensorflow()
 
 
+def loss_scale_children(optimizer, save_type: str) -> dict:
+    """What a `LossScaleOptimizer` adds to its inner optimizer's children in
+    a checkpoint: its `LossScaleState` and (not in a SavedModel) its
+    `LossScaleCheck`, each made once and kept out of Keras's tracking.
+    """
+    state = optimizer.__dict__.get("_checkpoint_state")
+    if state is None:
+        state = LossScaleState(optimizer)
+        object.__setattr__(optimizer, "_checkpoint_state", state)
+    check = optimizer.__dict__.get("_checkpoint_check")
+    if check is None:
+        check = LossScaleCheck(optimizer)
+        object.__setattr__(optimizer, "_checkpoint_check", check)
+    # TensorFlow restores the check (Python state) before any tensor. A
+    # SavedModel freezes Python state in a graph, where the check cannot
+    # read the variables; nothing kmp-made restores it.
+    if save_type == "savedmodel":
+        return {"loss_scale_state": state}
+    return {"loss_scale_state": state, "loss_scale_check": check}
+
+
 class LossScaleState(trackable_base.Trackable):
     """The checkpointed state of one `LossScaleOptimizer`."""
 

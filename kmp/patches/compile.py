@@ -33,10 +33,12 @@ does, so the logs show the overflow. A model whose `train_step` is its own
 
 Where a kmp optimizer's step cannot report persistent skips from inside
 itself (`jit_compile=True` on TensorFlow: XLA runs no Python; every JAX
-step), `fit`'s train function calls `optimizer.check_persistent_skips()`
-after every call (on JAX `check_persistent_skips_now` with the optimizer
-values the step returned), so the warning appears and "raise" stops `fit`
-at the step that reaches the limit, with or without `LossScaleMonitor`.
+step, whose state is lost if it raises, jitted or not), `fit`'s train
+function calls `optimizer.check_persistent_skips()` after every call (on
+JAX `check_persistent_skips_now` with the optimizer values the step
+returned, which are assigned to the variables before it raises), so the
+warning appears and "raise" stops `fit` at the step that reaches the
+limit, with the step's state kept, with or without `LossScaleMonitor`.
 """
 
 import importlib
@@ -112,16 +114,17 @@ def _needs_skip_check(model) -> bool:
     optimizer = getattr(model, "optimizer", None)
     if not isinstance(optimizer, optimizer_module.LossScaleOptimizer):
         return False
-    if optimizer.max_consecutive_skips is None or model.run_eagerly:
+    if optimizer.max_consecutive_skips is None:
         return False
     if backend.is_jax():
-        return True  # Every JAX step is jitted.
-    return bool(model.jit_compile)
+        return True  # Every JAX step is pure, jitted or not.
+    return bool(model.jit_compile) and not model.run_eagerly
 
 
 def make_train_function(original, self, force=False):
-    """Keras's `make_train_function`; under XLA it checks persistent skips
-    after every call of the train function (see the module docstring)."""
+    """Keras's `make_train_function`; under XLA (and on JAX) it checks
+    persistent skips after every call of the train function (see the
+    module docstring)."""
     returned = original(self, force=force)
     function = self.train_function
     if (
@@ -132,15 +135,19 @@ def make_train_function(original, self, force=False):
         optimizer = self.optimizer
 
         def train_function(*args, **kwargs):
-            outputs = function(*args, **kwargs)
             if not backend.is_jax():
+                outputs = function(*args, **kwargs)
                 optimizer.check_persistent_skips()
                 return outputs
-            # (logs, state), the optimizer's values in state[2].
+            # A step that runs eagerly (run_eagerly, jit_compile=False)
+            # would raise inside, losing the state it returns: the check
+            # waits for it. (logs, state), the optimizer's values in state[2].
+            with optimizer._skips_reported_after_step():
+                outputs = function(*args, **kwargs)
             try:
                 optimizer.check_persistent_skips_now(outputs[1][2])
             except FloatingPointError:
-                _write_back(self, outputs[1])  # fit stops mid-epoch
+                _write_back(self, outputs[1])
                 raise
             return outputs
 
@@ -191,10 +198,10 @@ def stateless_train_step(original, self, state, data):
 
 
 def _write_back(model, state):
-    """Hands a JAX train step's state to Keras, which assigns it to the
-    variables when `fit` ends, also by an exception (as a callback that
-    syncs the state would): the step donated the previous state's buffers.
-    """
+    """Assigns a JAX train step's state to the model's variables when the
+    step's check raises: the step donated the buffers of the state it was
+    given (`fit` and `train_on_batch` would keep those), and `fit` stops
+    mid-epoch. `fit` finds the state synced and leaves it."""
     names = (
         "trainable_variables",
         "non_trainable_variables",
@@ -203,6 +210,7 @@ def _write_back(model, state):
     )
     model._jax_state = dict(zip(names, state))
     model._jax_state_synced = False
+    model.jax_state_sync()
 
 
 def _backend_trainer():

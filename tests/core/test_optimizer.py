@@ -93,7 +93,7 @@ def test_lr_is_keras_2s_alias_of_learning_rate():
     assert float(optimizer.learning_rate) == 0.125
 
     def attempt():
-        with pytest.raises(ValueError, match="learning_rate"):
+        with pytest.raises(ValueError, match="'lr' must be a finite number"):
             optimizer.lr = float("nan")
 
     training.assert_unchanged_by(optimizer, attempt)

@@ -357,6 +357,84 @@ def test_learning_rate_that_float32_changes_is_refused(value):
     assert float(np.array(inner.learning_rate)) == 0.25
 
 
+@pytest.mark.parametrize("attribute", ["learning_rate", "lr"])
+@pytest.mark.parametrize(
+    "value, error",
+    [
+        (NAN, ValueError),
+        (1e39, ValueError),
+        ("0.1", TypeError),
+        (backends.tensor(INF), ValueError),
+        (backends.tensor([0.1, 0.2]), ValueError),
+        (backends.tensor(1, "int32"), TypeError),
+    ],
+    ids=["nan", "beyond_float32", "string", "inf_tensor", "vector", "int"],
+)
+def test_a_bad_learning_rate_is_refused_by_the_name_assigned(
+    attribute, value, error
+):
+    # `optimizer.lr = ...` (Keras 2's alias) is refused as `lr`.
+    inner = keras.optimizers.SGD(0.25)
+    optimizer = LossScaleOptimizer(inner)
+
+    def assign():
+        with pytest.raises(error) as caught:
+            setattr(optimizer, attribute, value)
+        message = str(caught.value)
+        assert f"'{attribute}' must be" in message
+        assert f"Received: {attribute}=" in message
+        if attribute == "lr":
+            assert "learning_rate" not in message
+
+    assert_unchanged_by(optimizer, assign)
+    assert float(np.array(inner.learning_rate)) == 0.25
+
+
+def _assigned(rate):
+    inner = keras.optimizers.SGD(0.25)
+    inner.learning_rate = rate  # Keras's own setter takes any value.
+    return inner
+
+
+@pytest.mark.parametrize(
+    "make_inner, shown",
+    [
+        (lambda: keras.optimizers.SGD(1e39), "of value inf"),
+        (lambda: keras.optimizers.Adam(-INF), "of value -inf"),
+        (lambda: _assigned(NAN), "of value nan"),
+        (lambda: _assigned(backends.tensor(INF)), "of value inf"),
+    ],
+    ids=["beyond_float32", "minus_inf", "nan_assigned", "inf_tensor"],
+)
+def test_inner_learning_rate_must_be_finite_in_float32(make_inner, shown):
+    # Keras stores SGD(1e39)'s rate as inf: every step would be skipped.
+    inner = make_inner()
+    attributes = dict(vars(inner))  # Compared by identity first (NaN).
+    with pytest.raises(ValueError) as caught:
+        LossScaleOptimizer(inner)
+    message = str(caught.value)
+    assert "learning rate of 'inner_optimizer' must be a finite" in message
+    assert "Received: inner_optimizer.learning_rate=" in message
+    assert shown in message
+    assert dict(vars(inner)) == attributes
+    assert inner.loss_scale_factor is None
+
+
+@pytest.mark.parametrize("kind", ["schedule", "callable"])
+def test_inner_learning_rate_schedules_and_callables_are_left_alone(kind):
+    # Their value can change at every step, where a non-finite one skips it.
+    class Infinite(keras.optimizers.schedules.LearningRateSchedule):
+        def __call__(self, step):
+            return INF
+
+    rate = Infinite() if kind == "schedule" else (lambda: INF)
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD(rate))
+    variable = keras.Variable([1.0])
+    optimizer.apply_gradients([(backends.tensor([1.0]), variable)])
+    assert int(optimizer.skipped_steps) == 1
+    np.testing.assert_array_equal(np.array(variable), [1.0])
+
+
 def test_legacy_names_pass_settings_through_the_same_door():
     assert mixed_precision.LossScaleOptimizer is LossScaleOptimizer
     with pytest.warns(experimental.LegacyAPIWarning):

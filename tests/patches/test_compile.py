@@ -120,12 +120,7 @@ def test_fit_skipped_step_leaves_non_trainable_variables_bit_for_bit(mode):
     assert np.isfinite(run[1].predict(overflow.X, verbose=0)).all()
 
 
-@pytest.mark.parametrize(
-    "mode",
-    # JAX run eagerly raises inside Keras's pure train step, whose whole
-    # result is dropped: as if the step never ran.
-    [m for m in backends.MODES if not (backends.JAX and m == "eager")],
-)
+@pytest.mark.parametrize("mode", backends.MODES)
 def test_fit_stopped_by_persistent_skips_leaves_the_statistics_restored(mode):
     # "raise" stops fit at the skipped step; what the step wrote is
     # already back (TensorFlow raises from inside its graph).
@@ -140,6 +135,35 @@ def test_fit_stopped_by_persistent_skips_leaves_the_statistics_restored(mode):
     assert int(trained.optimizer.skipped_steps) == 1
     now = [overflow.copies(v) for v in trained.non_trainable_variables]
     assert now == record.non_trainable[overflow.OVERFLOW_BATCH]
+
+
+@pytest.mark.parametrize("mode", backends.MODES)
+def test_train_on_batch_stopped_by_persistent_skips_keeps_the_step(mode):
+    # The step that raises has its state written (on JAX, from the state
+    # the pure step returned: the state it was given was donated), and the
+    # model goes on working: the next call raises again, one skip later.
+    model = training.model()
+    optimizer = LossScaleOptimizer(
+        keras.optimizers.SGD(0.1),
+        initial_scale=1024,
+        max_consecutive_skips=2,
+        on_persistent_skips="raise",
+    )
+    model.compile(
+        optimizer=optimizer, loss="mse", **training.compile_kwargs(mode)
+    )
+    model.train_on_batch(X[:BATCH_SIZE], Y[:BATCH_SIZE])
+    weights = [np.array(w) for w in model.weights]
+    model.train_on_batch(X_INF[:BATCH_SIZE], Y[:BATCH_SIZE])
+    for skips in (2, 3):
+        with pytest.raises(Exception, match=f"skipped the last {skips} steps"):
+            model.train_on_batch(X_INF[:BATCH_SIZE], Y[:BATCH_SIZE])
+        assert int(optimizer.skipped_steps) == skips
+        assert int(optimizer.consecutive_skips) == skips
+        assert float(optimizer.loss_scale) == 1024 / 2**skips
+        assert int(optimizer.iterations) == 1
+        for weight, before in zip(model.weights, weights):
+            np.testing.assert_array_equal(np.array(weight), before)
 
 
 def test_fit_skipped_step_still_records_the_loss_in_the_metrics():

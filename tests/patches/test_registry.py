@@ -139,6 +139,7 @@ def test_reloading_a_module_never_wraps_a_wrapper(module):
         pytest.skip("TensorFlow-only patch")
     reloaded = importlib.import_module(module)
     saved = dict(reloaded.__dict__)
+    definitions = _definitions()
     registered = (
         dict(object_registration.GLOBAL_CUSTOM_OBJECTS),
         dict(object_registration.GLOBAL_CUSTOM_NAMES),
@@ -164,10 +165,41 @@ def test_reloading_a_module_never_wraps_a_wrapper(module):
             registry_dict.update(before)
         patches.uninstall()
         patches.install(*_expected_defaults())
+    # Every module, class, function and registration is the first import's
+    # again, and Keras has its own functions behind the same patches.
+    assert _definitions() == definitions
     with kmp.policy_scope("mixed_float16"):
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         model.compile("sgd", "mse")
     assert isinstance(model.optimizer, kmp.LossScaleOptimizer)
+
+
+def _definitions() -> dict:
+    """What kmp defines, by identity: its modules' modules, classes and
+    functions, the classes it registered with Keras, and which patch (over
+    which Keras function) each patched attribute holds."""
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if name != "kmp" and not name.startswith("kmp."):
+            continue
+        found[name] = id(module)
+        for attribute, value in vars(module).items():
+            if inspect.ismodule(value) or inspect.isclass(value):
+                found[f"{name}.{attribute}"] = id(value)
+            elif inspect.isfunction(value):
+                found[f"{name}.{attribute}"] = id(value)
+    for registry_dict in (
+        object_registration.GLOBAL_CUSTOM_OBJECTS,
+        object_registration.GLOBAL_CUSTOM_NAMES,
+    ):
+        for key, value in registry_dict.items():
+            found[f"registered {key!r}"] = id(value)
+    for _, target, function in _installed_functions():
+        found[registry._dotted(target.owner, target.attribute)] = (
+            getattr(function, "__kmp_patch__", None),
+            id(registry.keras_original(function)),
+        )
+    return found
 
 
 def _check_patches_after_reload():

@@ -608,15 +608,15 @@ def test_persistent_skips_raise_under_xla_at_the_batch_reaching_the_limit():
     assert int(optimizer.iterations) == 1
 
 
-# Not on JAX: there an eager (jit_compile=False) step that raises loses its
-# state update (skipped_steps reads 2, not 3), which is the core's to fix.
-@pytest.mark.tensorflow
-@pytest.mark.torch
-def test_persistent_skips_raise_without_xla_from_the_optimizer():
+@pytest.mark.parametrize("run_eagerly", [False, True], ids=["default", "eager"])
+def test_persistent_skips_raise_without_xla_from_the_optimizer(run_eagerly):
+    # The step that raises keeps its own state update on every backend (on
+    # JAX the train function checks the state the pure step returned).
     model = _skipping_model(jit_compile=False, mode="raise")
+    model.run_eagerly = run_eagerly
     batches = _Batches()
     error = FloatingPointError
-    if BACKEND == "tensorflow":
+    if BACKEND == "tensorflow" and not run_eagerly:
         # Inside the step TensorFlow wraps the FloatingPointError.
         error = pytest.importorskip("tensorflow").errors.UnknownError
     with pytest.raises(error, match="the last 3 steps"):
@@ -627,7 +627,11 @@ def test_persistent_skips_raise_without_xla_from_the_optimizer():
             [LossScaleMonitor(), batches],
         )
     assert batches.ended == [0, 1, 2]
-    assert int(model.optimizer.skipped_steps) == 3
+    optimizer = model.optimizer
+    assert int(optimizer.skipped_steps) == 3
+    assert int(optimizer.consecutive_skips) == 3
+    assert float(optimizer.loss_scale) == 1024 / 2**3
+    assert int(optimizer.iterations) == 1
 
 
 @pytest.mark.parametrize(
