@@ -64,6 +64,43 @@ class FusedAdam(keras.optimizers.Adam):
     that rounds to 1 or a non-zero that rounds to 0 is refused. Numbers are
     kept as Python floats (a `Fraction` or `Decimal` too), as Adam keeps
     them, so the config serializes.
+
+    TensorFlow backend only: elsewhere `kmp.FusedAdam` is a class whose
+    construction raises a RuntimeError saying to use
+    `keras.optimizers.Adam`, whose update jit (JAX) or `torch.compile`
+    fuses already.
+
+    Args:
+        learning_rate: A finite number >= 0 (an int, a NumPy number or a
+            constant scalar tensor too), a
+            `keras.optimizers.schedules.LearningRateSchedule` or a callable
+            taking no arguments, as for Adam.
+        beta_1: The decay of the first-moment average, in [0, 1).
+        beta_2: The decay of the second-moment average, in [0, 1).
+        epsilon: A finite number >= 0 added to the denominator.
+        amsgrad: Whether to use AMSGrad (Keras's own update then runs).
+        weight_decay: None, or a finite number >= 0, as for Adam.
+        **kwargs: Keras's other optimizer arguments (`clipnorm`,
+            `global_clipnorm`, `use_ema`, `name`, ...).
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: an argument is out of range, or float32 changes its
+            meaning.
+
+    Example:
+
+    >>> import kmp
+    >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    >>> model.compile(optimizer=kmp.FusedAdam(1e-3), loss="mse")
+    >>> x, y = keras.ops.ones((16, 8)), keras.ops.zeros((16, 4))
+    >>> losses = model.fit(x, y, epochs=3, verbose=0).history["loss"]
+    >>> losses[-1] < losses[0]
+    True
+    >>> kmp.FusedAdam(beta_1=1.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: 'beta_1' must be a number in [0, 1) ... Received: beta_1=1.0
     """
 
     def __init__(

@@ -153,7 +153,7 @@ class ExperimentalLossScaleOptimizer(optimizer_module.LossScaleOptimizer):
 
     @property
     def loss_scale(self) -> LegacyLossScale:
-        """The current loss scale: call it (`optimizer.loss_scale()`)."""
+        """The current loss scale, called as `optimizer.loss_scale()`."""
         return LegacyLossScale(self)
 
 

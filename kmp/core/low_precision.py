@@ -45,23 +45,6 @@ Limits: the compensation buffer has 8 significant bits too, so Kahan follows
 float32 within a fraction of an ulp for varying updates but drifts by a few
 ulps over ten thousand identical ones; stochastic rounding is unbiased, but
 each weight's error is a random walk (about sqrt(steps * update / ulp) ulps).
-
-Example:
-
->>> import kmp
->>> with kmp.policy_scope("bfloat16"):
-...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
->>> optimizer = kmp.LowPrecisionOptimizer(keras.optimizers.Adam(0.1), seed=1)
->>> model.compile(optimizer=optimizer, loss="mse")
->>> x, y = keras.ops.ones((8, 4)), keras.ops.ones((8, 2))
->>> losses = model.fit(x, y, epochs=5, verbose=0).history["loss"]
->>> model.layers[0].kernel.dtype, losses[-1] < losses[0]
-('bfloat16', True)
->>> [(tuple(v.shape), v.dtype) for v in optimizer.variables if "comp" in v.name]
-[((4, 2), 'bfloat16'), ((2,), 'bfloat16')]
->>> inner_variables = optimizer.inner_optimizer.variables
->>> sorted({v.dtype for v in inner_variables if "float" in v.dtype})
-['bfloat16', 'float32']
 """
 
 import importlib
@@ -180,6 +163,25 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             loss-scale or low-precision one; an argument has the wrong type.
         ValueError: an argument has a wrong value, or the inner optimizer
             is built or uses EMA, gradient accumulation or a loss scale.
+
+    Example:
+
+    >>> import kmp
+    >>> with kmp.policy_scope("bfloat16"):
+    ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    >>> adam = keras.optimizers.Adam(0.1)
+    >>> optimizer = kmp.LowPrecisionOptimizer(adam, seed=1)
+    >>> model.compile(optimizer=optimizer, loss="mse")
+    >>> x, y = keras.ops.ones((8, 4)), keras.ops.ones((8, 2))
+    >>> losses = model.fit(x, y, epochs=5, verbose=0).history["loss"]
+    >>> model.layers[0].kernel.dtype, losses[-1] < losses[0]
+    ('bfloat16', True)
+    >>> [(tuple(v.shape), v.dtype) for v in optimizer.variables
+    ...  if "compensation" in v.name]
+    [((4, 2), 'bfloat16'), ((2,), 'bfloat16')]
+    >>> inner_variables = optimizer.inner_optimizer.variables
+    >>> sorted({v.dtype for v in inner_variables if "float" in v.dtype})
+    ['bfloat16', 'float32']
     """
 
     def __init__(
@@ -217,10 +219,12 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
 
     @property
     def rounding(self) -> str:
+        """The rounding in use, `"kahan"`, `"stochastic"` or `"nearest"`."""
         return self._rounding
 
     @property
     def slot_dtype(self):
+        """The inner optimizer's slot dtype, or None for each variable's."""
         return self._slot_dtype
 
     @property
@@ -386,8 +390,12 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         return type(inner)._var_key(inner, variable)
 
     def load_own_variables(self, store):
-        """Keras's; a seed saved on another backend (one int64 there, two
-        uint32 words on JAX) is read the way this backend keeps it."""
+        """Keras's, reading a seed saved on any backend as this one keeps it.
+
+        Args:
+            store: The saved values by position; a seed is one int64 on
+                TensorFlow and torch, two uint32 words on JAX.
+        """
         position = next(
             str(i) for i, v in enumerate(self.variables) if v is self._seed
         )
@@ -400,7 +408,11 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         super().load_own_variables(store)
 
     def get_config(self) -> dict:
-        """The settings, with the seed in use (drawn, if None was given)."""
+        """The settings, with the seed in use (drawn, if None was given).
+
+        Returns:
+            A dict of JSON-serializable values for `from_config`.
+        """
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(

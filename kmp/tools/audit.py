@@ -109,7 +109,9 @@ def audit(
             target per output or does not fit an output under the loss; no
             layer computes in low precision and `policy` is None; no loss is
             known (or the compiled one is per output) and `y` is given; a
-            number is out of range.
+            number is out of range; the model fails to run under `policy`.
+        RuntimeError: the layer calls of the model and of its float32 copy
+            do not match (a bug in kmp: please report it with the model).
 
     Example:
 

@@ -104,7 +104,10 @@ class LayerAudit:
 class AuditReport:
     """The result of `kmp.audit`: one row per layer call and suggestions.
 
-    Attributes:
+    `kmp.audit` makes it; each argument below is an attribute of the same
+    name. `print(report)` prints `to_text()`.
+
+    Args:
         model_name: The audited model's name.
         policy: The policy audited (`"mixed_float16"`, ...).
         layers: One `LayerAudit` per layer call, in model order.
@@ -119,6 +122,25 @@ class AuditReport:
             computed.
         max_gradient: The largest |gradient| among float16 layers (None as
             above), which the suggested scale is based on.
+
+    Example:
+
+    >>> import keras, numpy as np, kmp
+    >>> model = keras.Sequential(
+    ...     [keras.Input((2,)), keras.layers.Dense(1, name="big"),
+    ...      keras.layers.Dense(1, name="out")], name="net"
+    ... )
+    >>> model.get_layer("big").set_weights([np.full((2, 1), 5e4), np.zeros(1)])
+    >>> report = kmp.audit(model, np.ones((4, 2)), np.ones((4, 1)),
+    ...                    loss="mse", policy="mixed_float16")
+    >>> isinstance(report, kmp.AuditReport), report.policy, report.samples
+    (True, 'mixed_float16', 4)
+    >>> [(row.name, row.compute_dtype, row.overflows) for row in report.layers]
+    [('big', 'float16', True), ('out', 'float32', False)]
+    >>> report.suggested_keep_float32
+    ['big']
+    >>> print(report.to_text().splitlines()[0])
+    Audit of model 'net' under mixed_float16, against float32, on 4 samples.
     """
 
     model_name: str
@@ -132,7 +154,15 @@ class AuditReport:
     max_gradient: Optional[float]
 
     def to_text(self) -> str:
-        """The report as a table followed by the suggestions."""
+        """The report as a table followed by the suggestions.
+
+        Returns:
+            The text `kmp audit` prints, a `str`. A header names the model,
+            the policy and the samples; one row per layer call gives its
+            compute dtype, activation range, underflow and error against
+            float32; then come the layers to keep in float32 and a first
+            loss scale, with why.
+        """
         return report_text(self)
 
     def __str__(self) -> str:

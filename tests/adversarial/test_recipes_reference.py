@@ -3,7 +3,8 @@
 With a float32 model and a power-of-two scale, the gradients of the scaled
 loss are the true gradients times the scale exactly, so any recipe that
 unscales once and applies once gives the plain optimizer's update to the
-last bit (README: "Both give the float32 update to the last bit").
+last bit (docs/guarantees.md: "train exactly like the float32 reference,
+bit for bit").
 """
 
 import threading

@@ -608,7 +608,7 @@ EXAMPLES = pathlib.Path(__file__).parents[2] / "examples"
 
 
 def test_the_example_loop_trains_without_skipping():
-    """The README's jax loop, examples/jax_custom_loop.py, runs."""
+    """The training page's JAX loop, examples/jax_custom_loop.py, runs."""
     script = EXAMPLES / "jax_custom_loop.py"
     env = dict(os.environ, KMP_EXAMPLE_SMALL="1", KERAS_BACKEND="jax")
     result = subprocess.run(

@@ -198,7 +198,7 @@ EXAMPLES = pathlib.Path(__file__).parents[2] / "examples"
 
 
 def test_the_example_loop_trains_without_skipping():
-    """The README's torch loop, examples/torch_custom_loop.py, runs."""
+    """The training page's torch loop, examples/torch_custom_loop.py, runs."""
     script = EXAMPLES / "torch_custom_loop.py"
     env = dict(os.environ, KMP_EXAMPLE_SMALL="1", KERAS_BACKEND="torch")
     result = subprocess.run(
