@@ -52,10 +52,6 @@ AUTO_WRAP_FILE = (
     "consecutive_skips and hysteresis_left (its Keras layout; "
     "save_weights writes the same layout)"
 )
-LPO_SEED = (
-    "issue 21: kmp.LowPrecisionOptimizer(seed=None) draws a new seed when "
-    "its .keras file is loaded"
-)
 CONVERT_BFLOAT16_FILE = (
     "issue 21: convert(model, 'bfloat16') then save / load_model loses the "
     "LowPrecisionOptimizer"
@@ -105,7 +101,6 @@ KNOWN = [
         for w in ("compile_auto", "convert_mixed_float16")
         for f in ("keras_file", "weights_file")
     ],
-    Known("lpo_stochastic-*-keras_file", LPO_SEED, TENSORFLOW, AssertionError),
     Known(
         "convert_bfloat16-*-keras_file",
         CONVERT_BFLOAT16_FILE,

@@ -62,7 +62,6 @@ class Cell:
     """One combination. `mode` and `format` are None for a refusal."""
 
     wrapper: str
-    family: str
     strategy: str
     mode: Optional[str] = None
     format: Optional[str] = None
@@ -77,7 +76,7 @@ class Cell:
         """The axis values and pairs of them this cell covers."""
         values = {
             axis: getattr(self, axis)
-            for axis in ("wrapper", "family", "strategy", "mode", "format")
+            for axis in ("wrapper", "strategy", "mode", "format")
             if getattr(self, axis) is not None
         }
         covered = {((axis, value),) for axis, value in values.items()}
@@ -96,7 +95,7 @@ def all_cells(wrappers=None):
         refused = wrapper.refusal(backends.TENSORFLOW) is not None
         for strategy in STRATEGIES:
             if refused:
-                cells.append(Cell(wrapper.name, wrapper.family, strategy))
+                cells.append(Cell(wrapper.name, strategy))
                 continue
             for mode in MODES:
                 if (strategy, mode) in UNSUPPORTED:
@@ -105,7 +104,6 @@ def all_cells(wrappers=None):
                     cells.append(
                         Cell(
                             wrapper.name,
-                            wrapper.family,
                             strategy,
                             mode,
                             file_format,

@@ -39,7 +39,7 @@ def test_sample_is_the_same_on_every_run():
 
 def test_sample_of_a_made_up_matrix_is_pairwise_and_small():
     cells = [
-        matrix.Cell(f"w{w}", "f", s, m, f)
+        matrix.Cell(f"w{w}", s, m, f)
         for w, s, m, f in itertools.product(range(3), "ab", "xyz", "pq")
     ]
     sample = matrix.pairwise_sample(cells)

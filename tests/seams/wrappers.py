@@ -9,9 +9,10 @@ float32 reference"; `kmp.LowPrecisionOptimizer`: float32 variables are
 "the inner optimizer's, bit for bit"). A configuration kmp refuses names the
 error the user's call raises instead.
 
-`family` groups configurations for the sample's pairwise coverage
-(`tests.seams.matrix`): `lso` (each knob set), `lpo` (each rounding),
-`fused`, `nested` (two wrappers, in either order), `convert`, `compile`.
+The configurations: `lso_<knobs>` (each knob set of `KNOBS`), `lpo_<rounding>`
+(each rounding), `fused_adam`, two wrappers nested (the outer one first:
+`lso_lpo_kahan`; the reverse orders are refused), `convert_<policy>`
+(convert's result) and `compile_auto` (compile's auto-wrap).
 """
 
 import dataclasses
@@ -82,7 +83,6 @@ class Wrapper:
     Attributes:
         name: The id in test names (`lso_growth`, `lso_lpo_kahan`: the
             outer wrapper first).
-        family: Its group for pairwise sampling.
         policy: The global policy the cell runs under.
         optimizer: Makes the optimizer `model.compile` gets, or None for
             `build` to make the compiled model itself.
@@ -97,7 +97,6 @@ class Wrapper:
     """
 
     name: str
-    family: str
     policy: str
     optimizer: Optional[Callable] = None
     skips: bool = False
@@ -154,7 +153,6 @@ WRAPPERS = [
     *[
         Wrapper(
             f"lso_{knobs}",
-            "lso",
             "float32",
             lso(**settings),
             skips=True,
@@ -162,23 +160,19 @@ WRAPPERS = [
         )
         for knobs, settings in KNOBS.items()
     ],
-    Wrapper("lpo_kahan", "lpo", "bfloat16", lpo("kahan")),
+    Wrapper("lpo_kahan", "bfloat16", lpo("kahan")),
     # seed=None (the default): the seed drawn is state to restore.
-    Wrapper("lpo_stochastic", "lpo", "bfloat16", lpo("stochastic", seed=None)),
+    Wrapper("lpo_stochastic", "bfloat16", lpo("stochastic", seed=None)),
     # Float32 variables: the inner optimizer's update, bit for bit.
-    Wrapper(
-        "lpo_nearest", "lpo", "mixed_bfloat16", lpo("nearest"), False, adam
-    ),
+    Wrapper("lpo_nearest", "mixed_bfloat16", lpo("nearest"), False, adam),
     Wrapper(
         "fused_adam",
-        "fused",
         "mixed_bfloat16",
         fused_adam,
         tensorflow_only=True,
     ),
     Wrapper(
         "lso_fused_adam",
-        "nested",
         "float32",
         lso(fused_adam, **KNOBS["growth"]),
         skips=True,
@@ -189,21 +183,18 @@ WRAPPERS = [
     # where Adam's squared gradients do not underflow).
     Wrapper(
         "lso_lpo_kahan",
-        "nested",
         "float16",
         lso(lpo("kahan", slot_dtype="bfloat16"), **KNOBS["growth"]),
         skips=True,
     ),
     Wrapper(
         "lpo_stochastic_fused_adam",
-        "nested",
         "bfloat16",
         lpo("stochastic", inner=fused_adam),
         tensorflow_only=True,
     ),
     Wrapper(
         "lpo_lso",
-        "nested",
         "float32",
         refused=Refusal(
             TypeError,
@@ -214,7 +205,6 @@ WRAPPERS = [
     ),
     Wrapper(
         "lso_lso",
-        "nested",
         "float32",
         refused=Refusal(
             TypeError,
@@ -225,7 +215,6 @@ WRAPPERS = [
     ),
     Wrapper(
         "lpo_lpo",
-        "nested",
         "float32",
         refused=Refusal(
             TypeError,
@@ -236,16 +225,13 @@ WRAPPERS = [
     ),
     Wrapper(
         "convert_mixed_float16",
-        "convert",
         "float32",
         skips=True,
         build=converted("mixed_float16"),
     ),
-    Wrapper(
-        "convert_bfloat16", "convert", "float32", build=converted("bfloat16")
-    ),
+    Wrapper("convert_bfloat16", "float32", build=converted("bfloat16")),
     # compile's auto-wrap: mixed_float16 and a plain optimizer.
-    Wrapper("compile_auto", "compile", "mixed_float16", adam, skips=True),
+    Wrapper("compile_auto", "mixed_float16", adam, skips=True),
 ]
 
 
