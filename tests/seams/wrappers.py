@@ -1,0 +1,265 @@
+"""The matrix's first axis: every optimizer wrapper kmp has, as data.
+
+Not a test module. A `Wrapper` is one configuration a user can train with,
+in one nesting order: how to build the compiled model (a factory), the
+global policy it runs under, whether it skips non-finite steps (then a cell
+feeds it one NaN batch), and the plain optimizer it must equal bit for bit on
+the finite steps where kmp claims that (README: "train exactly like the
+float32 reference"; `kmp.LowPrecisionOptimizer`: float32 variables are
+"the inner optimizer's, bit for bit"). A configuration kmp refuses names the
+error the user's call raises instead.
+
+The configurations: `lso_<knobs>` (each knob set of `KNOBS`), `lpo_<rounding>`
+(each rounding), `fused_adam`, two wrappers nested (the outer one first:
+`lso_lpo_kahan`; the reverse orders are refused), `convert_<policy>`
+(convert's result) and `compile_auto` (compile's auto-wrap).
+"""
+
+import dataclasses
+from typing import Callable
+from typing import Optional
+
+import keras
+
+import kmp
+from tests.support import training
+
+
+def adam():
+    return keras.optimizers.Adam(0.01)
+
+
+def fused_adam():
+    return kmp.FusedAdam(0.01)
+
+
+# The knob sets of kmp.LossScaleOptimizer: every setting, each with values
+# exact in float32 (powers of two), so a float32 model still trains like
+# the float32 reference. Values that round in float32 are the numeric
+# fuzzing's (tests/adversarial/test_optimizer_arguments.py).
+KNOBS = {
+    "default": {},
+    "fixed": {"dynamic": False, "initial_scale": 128},
+    "growth": {
+        "initial_scale": 2**10,
+        "dynamic_growth_steps": 1,
+        "growth_factor": 4,
+        "backoff_factor": 0.25,
+    },
+    "bounds": {
+        "initial_scale": 16,
+        "dynamic_growth_steps": 1,
+        "min_scale": 8,
+        "max_scale": 32,
+    },
+    "hysteresis": {
+        "initial_scale": 64,
+        "dynamic_growth_steps": 2,
+        "hysteresis": 2,
+    },
+    "skips": {
+        "initial_scale": 64,
+        "max_consecutive_skips": 2,
+        "on_persistent_skips": "raise",
+        "record_nonfinite": True,
+    },
+}
+
+
+def lso(inner=adam, **knobs):
+    return lambda: kmp.LossScaleOptimizer(inner(), **knobs)
+
+
+def lpo(rounding, inner=adam, seed=1, slot_dtype=None):
+    return lambda: kmp.LowPrecisionOptimizer(
+        inner(), rounding, slot_dtype, seed
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Wrapper:
+    """One configuration a cell trains with (see the module docstring).
+
+    Attributes:
+        name: The id in test names (`lso_growth`, `lso_lpo_kahan`: the
+            outer wrapper first).
+        policy: The global policy the cell runs under.
+        optimizer: Makes the optimizer `model.compile` gets, or None for
+            `build` to make the compiled model itself.
+        skips: Whether it skips a non-finite step (it holds a loss scale).
+        reference: Makes the plain optimizer it equals bit for bit on the
+            finite steps (the same model and policy), or None: no claim.
+        refused: The `Refusal` its construction meets, or None.
+        build: `build(compile_kwargs)` makes the compiled model where
+            `optimizer` is None (convert's result).
+        tensorflow_only: Whether it needs kmp's TensorFlow-only FusedAdam:
+            elsewhere its construction is refused, as documented.
+    """
+
+    name: str
+    policy: str
+    optimizer: Optional[Callable] = None
+    skips: bool = False
+    reference: Optional[Callable] = None
+    refused: Optional["Refusal"] = None
+    build: Optional[Callable] = None
+    tensorflow_only: bool = False
+
+    def refusal(self, on_tensorflow):
+        """The `Refusal` a cell checks on this backend, or None."""
+        if self.tensorflow_only and not on_tensorflow:
+            return Refusal(
+                RuntimeError,
+                "needs Keras's TensorFlow backend",
+                None,
+                lambda _: self.optimizer(),
+            )
+        return self.refused
+
+    def compiled_model(self, compile_kwargs):
+        """A new model compiled with this configuration (under the policy
+        and strategy the caller set up)."""
+        if self.build is not None:
+            return self.build(compile_kwargs)
+        model = training.model()
+        model.compile(optimizer=self.optimizer(), loss="mse", **compile_kwargs)
+        return model
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """`call(inner())` must raise `error` matching `match` and leave the
+    optimizer `inner()` made (None: nothing made first) as it was."""
+
+    error: type
+    match: str
+    inner: Optional[Callable]
+    call: Callable
+
+
+def converted(policy):
+    """`kmp.convert` of a compiled float32 model to `policy`: the copy
+    comes compiled with the optimizer convert chose."""
+
+    def build(compile_kwargs):
+        model = training.model()
+        model.compile(optimizer=adam(), loss="mse", **compile_kwargs)
+        return kmp.convert(model, policy)
+
+    return build
+
+
+WRAPPERS = [
+    *[
+        Wrapper(
+            f"lso_{knobs}",
+            "float32",
+            lso(**settings),
+            skips=True,
+            reference=adam,
+        )
+        for knobs, settings in KNOBS.items()
+    ],
+    Wrapper("lpo_kahan", "bfloat16", lpo("kahan")),
+    # seed=None (the default): the seed drawn is state to restore.
+    Wrapper("lpo_stochastic", "bfloat16", lpo("stochastic", seed=None)),
+    # Float32 variables: the inner optimizer's update, bit for bit.
+    Wrapper("lpo_nearest", "mixed_bfloat16", lpo("nearest"), False, adam),
+    Wrapper(
+        "fused_adam",
+        "mixed_bfloat16",
+        fused_adam,
+        tensorflow_only=True,
+    ),
+    Wrapper(
+        "lso_fused_adam",
+        "float32",
+        lso(fused_adam, **KNOBS["growth"]),
+        skips=True,
+        reference=fused_adam,
+        tensorflow_only=True,
+    ),
+    # The documented order for float16 variables (and slots in bfloat16,
+    # where Adam's squared gradients do not underflow).
+    Wrapper(
+        "lso_lpo_kahan",
+        "float16",
+        lso(lpo("kahan", slot_dtype="bfloat16"), **KNOBS["growth"]),
+        skips=True,
+    ),
+    Wrapper(
+        "lpo_stochastic_fused_adam",
+        "bfloat16",
+        lpo("stochastic", inner=fused_adam),
+        tensorflow_only=True,
+    ),
+    Wrapper(
+        "lpo_lso",
+        "float32",
+        refused=Refusal(
+            TypeError,
+            "LossScaleOptimizer",
+            lso(),
+            lambda inner: kmp.LowPrecisionOptimizer(inner),
+        ),
+    ),
+    Wrapper(
+        "lso_lso",
+        "float32",
+        refused=Refusal(
+            TypeError,
+            "LossScaleOptimizer",
+            lso(),
+            lambda inner: kmp.LossScaleOptimizer(inner),
+        ),
+    ),
+    Wrapper(
+        "lpo_lpo",
+        "float32",
+        refused=Refusal(
+            TypeError,
+            "LowPrecisionOptimizer",
+            lpo("kahan"),
+            lambda inner: kmp.LowPrecisionOptimizer(inner),
+        ),
+    ),
+    Wrapper(
+        "convert_mixed_float16",
+        "float32",
+        skips=True,
+        build=converted("mixed_float16"),
+    ),
+    Wrapper("convert_bfloat16", "float32", build=converted("bfloat16")),
+    # compile's auto-wrap: mixed_float16 and a plain optimizer.
+    Wrapper("compile_auto", "mixed_float16", adam, skips=True),
+]
+
+
+def by_name(name) -> Wrapper:
+    (found,) = [wrapper for wrapper in WRAPPERS if wrapper.name == name]
+    return found
+
+
+def optimizer_chain(optimizer):
+    """The class names from the outer optimizer to the innermost one."""
+    chain = [type(optimizer).__name__]
+    while hasattr(optimizer, "inner_optimizer"):
+        optimizer = optimizer.inner_optimizer
+        chain.append(type(optimizer).__name__)
+    return chain
+
+
+def innermost(optimizer):
+    """The optimizer that computes the update (past every wrapper)."""
+    while hasattr(optimizer, "inner_optimizer"):
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+def loss_scale_optimizer(optimizer):
+    """The kmp.LossScaleOptimizer in `optimizer`'s chain, or None."""
+    while optimizer is not None:
+        if isinstance(optimizer, kmp.LossScaleOptimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return None
