@@ -319,6 +319,12 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
                 _backend_steps().apply_update(self, grads, variables)
             inner._iterations.assign_add(1)
 
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        # Keras's sums every gradient in one all-reduce, which fails for
+        # gradients of several dtypes (a float32 output layer on bfloat16
+        # ones); a wrapper that summed them already lends `list` instead.
+        return _backend_steps().sum_over_replicas(grads_and_vars)
+
     def _update_step(self, gradient, variable, learning_rate):
         """The inner optimizer's `update_step`, in float32, then rounded.
 

@@ -153,7 +153,7 @@ class StateMixin:
                 for v in self._trainable_variables
             ]
             self.nonfinite_mask.assign(
-                ops.where(apply_ok, self.nonfinite_mask, ops.stack(bad))
+                ops.where(apply_ok, self.nonfinite_mask.value, ops.stack(bad))
             )
         if self._dynamic:
             scale, counter, hysteresis = self._rule.next(
@@ -302,10 +302,22 @@ class StateMixin:
         )
 
     def check_persistent_skips_now(self, optimizer_variables) -> None:
-        """`check_persistent_skips(optimizer_variables)`, waiting for them:
-        what `fit` does after every step on JAX, so that "raise" stops it at
-        the step that reaches the limit (Keras's fit waits for every step's
-        logs anyway)."""
+        """Checks for persistent skips, waiting for the step's values.
+
+        `check_persistent_skips(optimizer_variables)`, but it waits for the
+        device: what `fit` does after every step on JAX, so that "raise"
+        stops it at the step that reaches the limit (Keras's fit waits for
+        every step's logs anyway). Call it after a loop's last step.
+
+        Args:
+            optimizer_variables: Values of `optimizer.variables` (a JAX
+                loop's state, or the variables themselves).
+
+        Raises:
+            FloatingPointError: with `on_persistent_skips="raise"`.
+            ValueError: `optimizer_variables` holds more or fewer values
+                than `optimizer.variables`.
+        """
         if self._max_consecutive_skips is None:
             return
         in_a_row, scale = self._skip_values(optimizer_variables)

@@ -3,10 +3,11 @@
 Keras's JAX trainer (and a JAX loop over `stateless_call`) passes the
 values of the optimizer's and the model's variables and gets new values
 back. Here the inner optimizer's `stateless_apply` runs in one branch of a
-cond on the finite check, and the other branch returns the values it was
-given, so a skipped step leaves weights, slots and `iterations` exactly as
-they were; then the loss-scale state is updated by the same code as the
-stateful step, inside a Keras `StatelessScope`.
+cond on the finite check (in a trace; run eagerly, a Python branch), and
+the other branch returns the values it was given, so a skipped step leaves
+weights, slots and `iterations` exactly as they were; then the loss-scale
+state is updated by the same code as the stateful step, inside a Keras
+`StatelessScope`.
 """
 
 from keras import ops
@@ -14,6 +15,7 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 
 from kmp.core import backend
+from kmp.core import jax_tracing
 from kmp.core import steps
 
 
@@ -82,7 +84,14 @@ def apply(
     def skipped():
         return list(trainable_variables), list(inner_values)
 
-    new_trainable, new_inner = ops.cond(apply_ok, applied, skipped)
+    if backend.is_jax() and jax_tracing.any_tracer([apply_ok]):
+        new_trainable, new_inner = ops.cond(apply_ok, applied, skipped)
+    else:
+        # Not traced (a JAX step run eagerly, torch): decided here, so the
+        # inner update runs op by op as the inner optimizer's own; inside
+        # ops.cond XLA would compile it and could round it otherwise.
+        chosen = applied if bool(ops.convert_to_numpy(apply_ok)) else skipped
+        new_trainable, new_inner = chosen()
 
     with StatelessScope(state_mapping=mapping) as scope:
         in_a_row = optimizer.update_state(

@@ -193,15 +193,27 @@ def snapshot(variables, stacked=True):
 
 
 def sum_over_replicas(grads):
-    """All-reduces (sums) the gradients in a replica context; None stays."""
+    """All-reduces (sums) the gradients in a replica context; None stays.
+
+    One all-reduce per dtype: TensorFlow packs the tensors of one
+    all-reduce into one buffer, which fails for a model whose gradients
+    have several dtypes (bfloat16 layers and a float32 output layer).
+    """
     replica_context = tf.distribute.get_replica_context()
-    present = [g for g in grads if g is not None]
-    if not present:
+    if replica_context is None:
         return grads
-    summed = iter(
-        replica_context.all_reduce(tf.distribute.ReduceOp.SUM, present)
-    )
-    return [None if g is None else next(summed) for g in grads]
+    by_dtype = {}
+    for index, gradient in enumerate(grads):
+        if gradient is not None:
+            by_dtype.setdefault(gradient.dtype, []).append(index)
+    summed = list(grads)
+    for indices in by_dtype.values():
+        reduced = replica_context.all_reduce(
+            tf.distribute.ReduceOp.SUM, [grads[i] for i in indices]
+        )
+        for index, gradient in zip(indices, reduced):
+            summed[index] = gradient
+    return summed
 
 
 def true_on_every_replica(finite, apply_ok, per_gradient):

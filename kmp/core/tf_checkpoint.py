@@ -14,8 +14,11 @@ after TensorFlow may have restored other objects.)
 A SavedModel (`tf.saved_model.save`) writes the same values; there the
 state variables are also children of `LossScaleState`, so that the
 SavedModel copies them into its graph and `tf.saved_model.load` gives them
-back, and `LossScaleCheck` is left out: it reads the variables as Python
-values, which code in a SavedModel's graph cannot.
+back. Its `LossScaleCheck` holds the values read when the SavedModel is
+written (code in a SavedModel's graph cannot read variables as Python
+values). Reading a SavedModel's variables into a live model
+(`tf.train.Checkpoint(...).read(".../variables/variables")`) binds every
+one of them: the check first, then the state variables by name.
 """
 
 import json
@@ -42,12 +45,15 @@ def loss_scale_children(optimizer, save_type: str) -> dict:
     if check is None:
         check = LossScaleCheck(optimizer)
         object.__setattr__(optimizer, "_checkpoint_check", check)
-    # TensorFlow restores the check (Python state) before any tensor. A
-    # SavedModel freezes Python state in a graph, where the check cannot
-    # read the variables; nothing kmp-made restores it.
-    if save_type == "savedmodel":
-        return {"loss_scale_state": state}
-    return {"loss_scale_state": state, "loss_scale_check": check}
+    if save_type == "savedmodel" and tf.executing_eagerly():
+        # The values now, before TensorFlow builds the SavedModel's graph.
+        check.saved_model_value = check.serialize()
+    # TensorFlow restores the check (Python state) before any tensor.
+    children = {"loss_scale_state": state, "loss_scale_check": check}
+    # record_nonfinite's mask (a bool per variable, no invariant to check).
+    if optimizer.nonfinite_mask is not None:
+        children["nonfinite_mask"] = optimizer.nonfinite_mask
+    return children
 
 
 class LossScaleState(trackable_base.Trackable):
@@ -75,6 +81,15 @@ class LossScaleState(trackable_base.Trackable):
 
     def _deserialization_dependencies(self, children):
         return children
+
+    def _lookup_dependency(self, name, cached_dependencies=None):
+        # A SavedModel's checkpoint holds the state variables as this
+        # object's children too (see `_trackable_children`): a live object
+        # binds them by name when it reads one.
+        variable = self._optimizer.state_variables().get(name)
+        if variable is not None and self._exported is None:
+            return variable.value
+        return super()._lookup_dependency(name, cached_dependencies)
 
     def _export_to_saved_model_graph(
         self, object_map, tensor_map, options, **kwargs
@@ -119,6 +134,8 @@ class LossScaleCheck(python_state.PythonState):
 
     def __init__(self, optimizer):
         self._optimizer = optimizer
+        # What a SavedModel writes: `serialize()` when it is saved.
+        self.saved_model_value = None
 
     def serialize(self):
         return json.dumps(
@@ -141,3 +158,29 @@ class LossScaleCheck(python_state.PythonState):
         known = set(self._optimizer.state_variables())
         restored = {n: np.asarray(v) for n, v in values.items() if n in known}
         self._optimizer.check_restored_state(restored, "the checkpoint")
+
+    def _export_to_saved_model_graph(
+        self, object_map, tensor_map, options, **kwargs
+    ):
+        # Inside the SavedModel's graph: the values read before it.
+        object_map[self] = _SavedCheck(self.saved_model_value)
+        return []
+
+
+class _SavedCheck(trackable_base.Trackable):
+    """A `LossScaleCheck` in a SavedModel's graph: the values it had when
+    the SavedModel was written, under the same checkpoint key."""
+
+    def __init__(self, string_value):
+        self._string_value = string_value
+
+    def _serialize_to_tensors(self):
+        return {
+            python_state.PYTHON_STATE: tf.constant(
+                self._string_value, dtype=tf.string
+            )
+        }
+
+    def _restore_from_tensors(self, restored_tensors):
+        # A loaded SavedModel has no optimizer to check: nothing to do.
+        return tf.no_op()

@@ -17,6 +17,7 @@ import functools
 from kmp.core import backend
 from kmp.core import borrow
 from kmp.core import rounding
+from kmp.core import tf_apply
 from kmp.core import tf_rounding
 
 tf = backend.tensorflow()
@@ -37,6 +38,14 @@ def apply_update(optimizer, grads, variables):
         inner._backend_update_step(
             [g for g, _ in pairs], [v for _, v in pairs], inner.learning_rate
         )
+
+
+def sum_over_replicas(grads_and_vars):
+    """The pairs with their gradients summed over `tf.distribute`
+    replicas, one all-reduce per dtype."""
+    pairs = list(grads_and_vars)
+    grads = tf_apply.sum_over_replicas([g for g, _ in pairs])
+    return [(g, v) for g, (_, v) in zip(grads, pairs)]
 
 
 def update_variable(optimizer, gradient, learning_rate, variable, index):

@@ -393,12 +393,7 @@ def test_inside_a_loss_scale_optimizer_float16_trains_and_skips_exactly(
     assert int(optimizer.skipped_steps) == skipped + 1
 
 
-# JAX's eager kmp step runs the inner update in a compiled cond (see
-# tests.support.training.JAX_EAGER_UPDATE_BUG): jitted, both agree.
-LOOP_MODES = [m for m in MODES if not (backends.JAX and m == "eager")]
-
-
-@pytest.mark.parametrize("mode", LOOP_MODES)
+@pytest.mark.parametrize("mode", MODES)
 def test_custom_loops_with_loss_scaling_give_the_same_weights(mode):
     """The documented loops: `tf.GradientTape`; on JAX `jax.grad` over
     `stateless_call`, then `stateless_scale_loss`, `stateless_unscale_

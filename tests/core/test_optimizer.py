@@ -271,14 +271,6 @@ def test_variables_start_with_kerass_layout():
     assert int(optimizer.hysteresis_left) == 1
 
 
-@pytest.mark.xfail(
-    backends.JAX,
-    strict=True,
-    raises=ValueError,
-    reason="KMP BUG: with record_nonfinite=True every step fails on JAX: "
-    "update_state passes the nonfinite_mask variable itself to ops.where "
-    "(jnp.where refuses __jax_array__); .value is needed",
-)
 def test_nonfinite_variables_names_the_variables_of_the_last_skip():
     optimizer = LossScaleOptimizer(
         keras.optimizers.SGD(0.1), initial_scale=4, record_nonfinite=True

@@ -293,6 +293,45 @@ def test_model_with_the_optimizer_saves_as_a_saved_model(tmp_path, how):
     np.testing.assert_array_equal(outputs.numpy(), np.array(model(X_FINITE)))
 
 
+@pytest.mark.tensorflow
+def test_saved_model_variables_read_into_a_model_are_checked_first(tmp_path):
+    """A SavedModel's variables read with tf.train.Checkpoint bind every
+    value (the state restored); a state the reader refuses (a dynamic scale
+    into a fixed optimizer) raises before any weight changes."""
+    tf = backends.tensorflow()
+
+    def compiled(**settings):
+        model = training.model()
+        model.compile(
+            optimizer=LossScaleOptimizer(
+                keras.optimizers.Adam(0.01), **settings
+            ),
+            loss="mse",
+        )
+        return model
+
+    model = compiled(initial_scale=64)
+    training.fit_steps(model, [X_FINITE, X_INF])
+    tf.saved_model.save(model, str(tmp_path / "saved"))
+    variables = str(tmp_path / "saved" / "variables" / "variables")
+
+    restored = compiled(initial_scale=64)
+    training.fit_steps(restored, [X_FINITE])
+    tf.train.Checkpoint(root=restored).read(variables).assert_consumed()
+    assert training.optimizer_state(restored.optimizer) == (32.0, 0, 1, 1)
+    for got, saved in zip(restored.weights, model.weights):
+        np.testing.assert_array_equal(np.array(got), np.array(saved))
+
+    fixed = compiled(initial_scale=64, dynamic=False)
+    training.fit_steps(fixed, [X_FINITE])
+    before = [np.array(v) for v in fixed.weights + fixed.optimizer.variables]
+    with pytest.raises(ValueError, match="Nothing was restored"):
+        tf.train.Checkpoint(root=fixed).read(variables)
+    after = [np.array(v) for v in fixed.weights + fixed.optimizer.variables]
+    for got, was in zip(after, before):
+        np.testing.assert_array_equal(got, was)
+
+
 # --- Restored state is checked ------------------------------------------------
 
 

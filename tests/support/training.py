@@ -16,7 +16,6 @@ import warnings
 
 import keras
 import numpy as np
-import pytest
 
 from tests.support import backends
 from tests.support.backends import DEFAULT_FIT_MODE
@@ -90,27 +89,10 @@ def fit_weights(optimizer, mode):
     return trained.get_weights()
 
 
-# On JAX, an eager step applies the inner update inside `ops.cond`, which XLA
-# compiles (contracting multiply-adds), so it rounds unlike Keras's eager
-# update op by op; jitted, both are compiled alike and agree bit for bit.
-JAX_EAGER_UPDATE_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="KMP BUG: on JAX an eager kmp step (run_eagerly, or apply "
-    "outside jit) runs the inner stateless_apply inside ops.cond, compiled "
-    "by XLA: its update differs by an ulp from the inner optimizer's own "
-    "eager update",
-)
-
-
 def reference_modes(modes=None):
     """`modes` (all of `MODES`) for tests that compare a kmp step with a
-    plain optimizer's, each marked with the bug it shows on this backend."""
-    return [
-        pytest.param(mode, marks=JAX_EAGER_UPDATE_BUG)
-        if backends.JAX and mode == "eager"
-        else mode
-        for mode in (MODES if modes is None else modes)
-    ]
+    plain optimizer's."""
+    return list(MODES if modes is None else modes)
 
 
 @functools.lru_cache(maxsize=None)
