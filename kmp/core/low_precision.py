@@ -320,9 +320,10 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             inner._iterations.assign_add(1)
 
     def _all_reduce_sum_gradients(self, grads_and_vars):
-        # Keras's sums every gradient in one all-reduce, which fails for
-        # gradients of several dtypes (a float32 output layer on bfloat16
-        # ones); a wrapper that summed them already lends `list` instead.
+        # Keras's own sums every gradient in one all-reduce, which fails
+        # for gradients of several dtypes (a float32 output layer beside
+        # bfloat16 ones). A wrapper that summed them already lends `list`
+        # in its place (kmp.core.borrow). Reached on TensorFlow only.
         return _backend_steps().sum_over_replicas(grads_and_vars)
 
     def _update_step(self, gradient, variable, learning_rate):

@@ -331,7 +331,7 @@ def test_get_unscaled_gradients_refuses_gradient_variable_pairs(container):
 # --- Both recipes give the float32 reference, bit for bit ---------------------
 
 
-@pytest.mark.parametrize("mode", training.reference_modes())
+@pytest.mark.parametrize("mode", training.MODES)
 @pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
 def test_fit_matches_the_float32_reference(optimizer_name, mode):
     optimizer = LossScaleOptimizer(OPTIMIZERS[optimizer_name]())
@@ -343,7 +343,7 @@ def test_fit_matches_the_float32_reference(optimizer_name, mode):
     assert int(optimizer.skipped_steps) == 0
 
 
-@pytest.mark.parametrize("mode", training.reference_modes())
+@pytest.mark.parametrize("mode", training.MODES)
 @pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
 def test_custom_loop_matches_the_float32_reference(optimizer_name, mode):
     optimizer = LossScaleOptimizer(OPTIMIZERS[optimizer_name]())

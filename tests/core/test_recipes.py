@@ -23,7 +23,7 @@ from tests.support.training import X
 from tests.support.training import Y
 
 
-@pytest.mark.parametrize("mode", training.reference_modes())
+@pytest.mark.parametrize("mode", MODES)
 def test_keras_style_loop_matches_the_float32_reference(mode):
     # scale_loss -> tape.gradient -> apply_gradients with scaled gradients.
     # SGD, whose update is proportional to the gradient, shows any scale left.
@@ -75,9 +75,7 @@ def test_gradients_may_be_clipped_between_unscaling_and_applying(mode):
 # --- Per optimizer ------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "mode", training.reference_modes(backends.STATEFUL_MODES)
-)
+@pytest.mark.parametrize("mode", backends.STATEFUL_MODES)
 def test_two_optimizers_in_one_step_follow_their_own_recipes(mode):
     # Changed on purpose: the recipe used to be one record per graph, so the
     # last scale call of any optimizer decided for all of them (a GAN's two
@@ -114,7 +112,7 @@ def test_two_optimizers_in_one_step_follow_their_own_recipes(mode):
     training.assert_weights_equal(second.get_weights(), reference)
 
 
-@pytest.mark.parametrize("mode", training.reference_modes())
+@pytest.mark.parametrize("mode", MODES)
 def test_unscaled_gradients_may_be_inspected_in_the_keras_recipe(mode):
     # scale_loss, then get_unscaled_gradients only to look (a norm for a
     # log): the scaled gradients still go to apply_gradients, which unscales
@@ -136,7 +134,7 @@ def test_unscaled_gradients_may_be_inspected_in_the_keras_recipe(mode):
     assert norms
 
 
-@pytest.mark.parametrize("mode", training.reference_modes())
+@pytest.mark.parametrize("mode", MODES)
 def test_keras_recipe_may_apply_what_get_unscaled_gradients_returned(mode):
     # The usual `grads = optimizer.get_unscaled_gradients(grads)`: the
     # scaled gradients are dropped before apply_gradients.

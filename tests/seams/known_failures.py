@@ -31,9 +31,6 @@ class Known:
     raises: Optional[type] = None
 
 
-TENSORFLOW = ("tensorflow",)
-NOT_TENSORFLOW = ("jax", "torch")
-
 # None today: every cell of the matrix passes on every backend.
 KNOWN = []
 

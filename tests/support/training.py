@@ -89,12 +89,6 @@ def fit_weights(optimizer, mode):
     return trained.get_weights()
 
 
-def reference_modes(modes=None):
-    """`modes` (all of `MODES`) for tests that compare a kmp step with a
-    plain optimizer's."""
-    return list(MODES if modes is None else modes)
-
-
 @functools.lru_cache(maxsize=None)
 def reference_weights(optimizer_name, mode):
     """The float32 reference: the plain optimizer in `model.fit`."""
