@@ -17,12 +17,14 @@ itself goes on. Both forms here put such state back on a skipped step:
   for the device: TensorFlow reads each variable once per step (a
   reference, no copy) and, in a graph, writes inside the conditional the
   step already has for a skip (under a merge-call `tf.distribute` strategy,
-  in one of its own); JAX keeps references (its arrays never change);
-  torch copies the variables, which it writes in place.
+  in one of its own); JAX keeps references (its arrays never change) and
+  selects on the device; torch, whose variables are written in place,
+  copies them with one multi-tensor op into buffers kept from step to step
+  (the forward pass writes them before the step can know it will skip).
 * `select(...)` (`stateless_keep_on_skip`), for JAX's stateless steps: of
   the values before and after the step, those before if the step that
-  returned `optimizer_variables` was skipped; one cond over the values the
-  step wrote (the others are passed through).
+  returned `optimizer_variables` was skipped; a select of each value the
+  step wrote (the others are passed through), no conditional.
 
 `fit` uses them by itself (the `compile` patch), on
 `model.non_trainable_variables` but those marked with `exempt` (a counter
@@ -39,7 +41,7 @@ from keras import ops
 from kmp.core import backend
 from kmp.core import checks
 from kmp.core import jax_tracing
-from kmp.core import stateless
+from kmp.core.step import stateless
 
 if backend.is_tensorflow():
     from kmp.core import tf_apply
@@ -68,23 +70,45 @@ class _Snapshot:
     """The values of some variables at one point of a step, and how to
     write them back."""
 
-    def __init__(self, variables):
+    def __init__(self, variables, buffers=None):
         self._variables = variables
         if backend.is_tensorflow():
             self._write_back = tf_apply.snapshot(variables, stacked=False)
             return
         self._write_back = None
         if backend.is_torch():
-            # Keras's torch variables are assigned in place.
-            self._values = [v.value.detach().clone() for v in variables]
+            # Keras's torch variables are assigned in place: one
+            # multi-tensor copy into buffers kept from step to step.
+            import torch
+
+            values = [v.value for v in variables]
+            if values:
+                with torch.no_grad():
+                    torch._foreach_copy_(buffers, values)
+            self._values = buffers
         else:
             self._values = [v.value for v in variables]
 
-    def restore(self) -> list:
-        """Writes the values back; returns TensorFlow's write ops."""
+    def restore(self, skipped=None) -> list:
+        """Writes the values back; returns TensorFlow's write ops.
+
+        With `skipped` (a bool scalar tensor, JAX), each variable gets
+        its value back where `skipped` is true and keeps its own
+        otherwise, without reading `skipped` on the host.
+        """
         if self._write_back is not None:
             return self._write_back()
+        if backend.is_torch() and self._variables:
+            import torch
+
+            with torch.no_grad():
+                torch._foreach_copy_(
+                    [v.value for v in self._variables], self._values
+                )
+            return []
         for variable, value in zip(self._variables, self._values):
+            if skipped is not None:
+                value = ops.where(skipped, value, variable.value)
             variable.assign(value)
         return []
 
@@ -99,10 +123,10 @@ class Restore:
     def __init__(self, snapshots):
         self._snapshots = tuple(snapshots)
 
-    def __call__(self) -> list:
+    def __call__(self, skipped=None) -> list:
         writes = []
         for snapshot in self._snapshots:  # Oldest first: the newest wins.
-            writes += snapshot.restore()
+            writes += snapshot.restore(skipped)
         return writes
 
 
@@ -124,9 +148,29 @@ class KeptStates:
         open_blocks = getattr(self._local, "open", None)
         return Restore(open_blocks) if open_blocks else None
 
+    def _buffers(self, variables) -> list:
+        """torch: a buffer per variable for the snapshot of the block about
+        to open, made once per set of variables and depth of nesting."""
+        if not backend.is_torch():
+            return None
+        import torch
+
+        cache = getattr(self._local, "buffers", None)
+        if cache is None:
+            cache = self._local.buffers = {}
+        key = (len(self._open()), tuple(id(v) for v in variables))
+        values = [v.value for v in variables]
+        buffers = cache.get(key)
+        if buffers is None or any(
+            b.shape != t.shape or b.dtype != t.dtype or b.device != t.device
+            for b, t in zip(buffers, values)
+        ):
+            buffers = cache[key] = [torch.empty_like(t) for t in values]
+        return buffers
+
     @contextlib.contextmanager
     def keep(self, variables):
-        snapshot = _Snapshot(variables)
+        snapshot = _Snapshot(variables, self._buffers(variables))
         self._open().append(snapshot)
         try:
             yield
@@ -189,14 +233,10 @@ def select(optimizer, optimizer_variables, values_before, values_after):
     ]
     if not written:
         return values_after
-    # A cond, not a select: XLA would fuse a select into the computation of
-    # the new values and could round them otherwise (contracting a multiply
-    # and an add); as operands of a cond they are computed as without it.
-    chosen = ops.cond(
-        skipped,
-        lambda: [flat_before[i] for i in written],
-        lambda: [flat_after[i] for i in written],
-    )
+    # A select, not a cond: on a GPU a cond waits for the host.
+    chosen = [
+        ops.where(skipped, flat_before[i], flat_after[i]) for i in written
+    ]
     flat = list(flat_after)
     for i, value in zip(written, chosen):
         flat[i] = value

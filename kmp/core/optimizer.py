@@ -9,7 +9,8 @@ returns (`kmp.core.loss_scale`). The class holds the variables and reads
 like Keras's own; beside it are the checks of its arguments
 (`optimizer_arguments`), its state (`optimizer_state`), the scaling calls
 (`optimizer_scaling`), the state a skipped step puts back (`kept_state`),
-and each backend's step (`steps`, `tf_steps`, `stateless`).
+and each backend's step (`kmp.core.step`: `tensorflow`, `torch`,
+`stateless` for JAX).
 """
 
 from typing import Optional
@@ -23,17 +24,19 @@ from kmp.core import kept_state
 from kmp.core import loss_scale as rule_module
 from kmp.core import optimizer_arguments as arguments
 from kmp.core import recipes
-from kmp.core import stateless
-from kmp.core import steps
 from kmp.core.optimizer_arguments import ArgumentTypeError
 from kmp.core.optimizer_scaling import ScalingMixin
 from kmp.core.optimizer_state import PersistentSkipsWarning
 from kmp.core.optimizer_state import StateMixin
 from kmp.core.optimizer_state import read_value
+from kmp.core.step import common as steps
+from kmp.core.step import stateless
 
+if backend.is_torch():
+    from kmp.core.step import torch as torch_step
 if backend.is_tensorflow():
     from kmp.core import tf_apply
-    from kmp.core import tf_steps
+    from kmp.core.step import tensorflow as tf_steps
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 _KerasOptimizer = keras.optimizers.Optimizer
@@ -417,7 +420,7 @@ class LossScaleOptimizer(
                     self, grads, trainable_variables, scaled
                 )
             else:
-                steps.apply_eagerly(self, grads, trainable_variables, scaled)
+                torch_step.apply(self, grads, trainable_variables, scaled)
 
     def stateless_apply(
         self, optimizer_variables, grads, trainable_variables, *, scaled=None

@@ -22,7 +22,7 @@ from kmp.core import jax_tracing
 from kmp.core import optimizer_arguments as arguments
 from kmp.core import recipes
 from kmp.core import scaling
-from kmp.core import stateless
+from kmp.core.step import stateless
 
 
 class ScalingMixin:

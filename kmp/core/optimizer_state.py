@@ -30,6 +30,7 @@ from keras import ops
 from keras.src.saving.keras_saveable import KerasSaveable
 
 from kmp.core import backend
+from kmp.core.step import lagged
 
 
 def read_value(variable):
@@ -254,64 +255,23 @@ class StateMixin:
         """Warns or raises if too many steps in a row were skipped.
 
         For steps compiled by XLA (`jit_compile=True` on TensorFlow, JAX's
-        `jit`), which cannot warn or raise from inside: `fit` calls it after
-        every step by itself (the `compile` patch); in a JAX loop over
-        `stateless_apply`, call it with the step's optimizer values after
-        every step.
+        `jit`), which cannot warn or raise from inside: `fit` does it by
+        itself (the `compile` patch); in a JAX loop over `stateless_apply`,
+        call it with the step's optimizer values after every step (in a
+        TensorFlow XLA loop, without arguments).
 
-        With a JAX loop's values it does not wait for the device: it starts
-        copying the two numbers it reads to the host and reports on those
-        that have arrived. The report on a step comes at this call if the
-        step has finished by then, else at the next call (which waits for
-        it): at most one step late, and the loop keeps running ahead of the
-        device. The last step of a loop is reported by a second call with
-        the same values, or by `check_persistent_skips_now`.
-
-        Args:
-            optimizer_variables: Values of `optimizer.variables` (a JAX
-                loop's state); None reads the variables, now.
-
-        Raises:
-            FloatingPointError: with `on_persistent_skips="raise"`.
-        """
-        if self._max_consecutive_skips is None:
-            return
-        if optimizer_variables is None:
-            variables = (self.consecutive_skips_variable, self.dynamic_scale)
-            if any(getattr(v, "_value", True) is None for v in variables):
-                return  # Held by Keras's JAX trainer: fit checks its state.
-            self.report_persistent_skips(
-                *(ops.convert_to_numpy(v) for v in variables)
-            )
-            return
-        in_a_row, scale = self._skip_values(optimizer_variables)
-        if backend.is_jax():
-            from kmp.core import jax_skips
-
-            if jax_skips.is_jax_array(in_a_row):
-                pending = self.__dict__.get("_pending_skip_checks")
-                if pending is None:
-                    pending = jax_skips.PendingChecks()
-                    object.__setattr__(self, "_pending_skip_checks", pending)
-                pending.add(in_a_row, scale)
-                for values in pending.arrived():
-                    self.report_persistent_skips(*values)
-                return
-        self.report_persistent_skips(
-            ops.convert_to_numpy(in_a_row), ops.convert_to_numpy(scale)
-        )
-
-    def check_persistent_skips_now(self, optimizer_variables) -> None:
-        """Checks for persistent skips, waiting for the step's values.
-
-        `check_persistent_skips(optimizer_variables)`, but it waits for the
-        device: what `fit` does after every step on JAX, so that "raise"
-        stops it at the step that reaches the limit (Keras's fit waits for
-        every step's logs anyway). Call it after a loop's last step.
+        It never waits for the step it is given: it keeps that step's two
+        numbers (skips in a row and the scale) in a small array of their
+        own, starts their copy to the host, and reports on the step before,
+        whose numbers have long arrived (`kmp.core.step.lagged`). So a
+        report comes one step late, at the same step on every process;
+        `check_persistent_skips_now` after the loop reports on the last
+        step. Values that are not device arrays (NumPy, torch tensors) are
+        reported at once.
 
         Args:
             optimizer_variables: Values of `optimizer.variables` (a JAX
-                loop's state, or the variables themselves).
+                loop's state); None reads the variables.
 
         Raises:
             FloatingPointError: with `on_persistent_skips="raise"`.
@@ -320,10 +280,75 @@ class StateMixin:
         """
         if self._max_consecutive_skips is None:
             return
-        in_a_row, scale = self._skip_values(optimizer_variables)
+        if optimizer_variables is None:
+            variables = (self.consecutive_skips_variable, self.dynamic_scale)
+            if any(getattr(v, "_value", True) is None for v in variables):
+                return  # Held by Keras's JAX trainer: fit checks its state.
+            values = tuple(v.value for v in variables)
+            if backend.is_torch():
+                self.report_persistent_skips(
+                    *(ops.convert_to_numpy(v) for v in values)
+                )
+                return
+            self._lagged_checks().add(*values)
+        else:
+            in_a_row, scale = self._skip_values(optimizer_variables)
+            if not lagged.is_jax_array(in_a_row):
+                self.report_persistent_skips(
+                    ops.convert_to_numpy(in_a_row), ops.convert_to_numpy(scale)
+                )
+                return
+            self._lagged_checks().add(in_a_row, scale)
+        for values in self._lagged_checks().due():
+            self.report_persistent_skips(*values)
+
+    def check_persistent_skips_packed(self, packed) -> None:
+        """`check_persistent_skips` on a step's numbers already packed by
+        the step (`kmp.core.step.lagged.pack`): what `fit` does on JAX."""
+        if self._max_consecutive_skips is None:
+            return
+        checks = self._lagged_checks()
+        checks.add_packed(packed)
+        for values in checks.due():
+            self.report_persistent_skips(*values)
+
+    def check_persistent_skips_now(self, optimizer_variables=None) -> None:
+        """Checks for persistent skips, waiting for the step's values.
+
+        Reports first on the steps `check_persistent_skips` kept (it
+        reports a step late), then on `optimizer_variables`. Call it after
+        a loop's last step.
+
+        Args:
+            optimizer_variables: Values of `optimizer.variables` (a JAX
+                loop's state, or the variables themselves); None reads the
+                variables.
+
+        Raises:
+            FloatingPointError: with `on_persistent_skips="raise"`.
+            ValueError: `optimizer_variables` holds more or fewer values
+                than `optimizer.variables`.
+        """
+        if self._max_consecutive_skips is None:
+            return
+        for values in self._lagged_checks().flush():
+            self.report_persistent_skips(*values)
+        if optimizer_variables is None:
+            in_a_row = self.consecutive_skips_variable
+            scale = self.dynamic_scale
+        else:
+            in_a_row, scale = self._skip_values(optimizer_variables)
         self.report_persistent_skips(
             ops.convert_to_numpy(in_a_row), ops.convert_to_numpy(scale)
         )
+
+    def _lagged_checks(self):
+        checks = self.__dict__.get("_lagged_skip_checks")
+        if checks is None:
+            checks = lagged.LaggedChecks()
+            # Not tracked by Keras (it holds arrays, not variables).
+            object.__setattr__(self, "_lagged_skip_checks", checks)
+        return checks
 
     def _skip_values(self, optimizer_variables):
         """Skips in a row and the scale among the values of `variables`."""

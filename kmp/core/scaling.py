@@ -110,13 +110,20 @@ def _exact_all_finite(gradients):
 def all_finite(gradients: Iterable):
     """A bool scalar tensor: whether no gradient holds an inf or a NaN.
 
-    A quick sum over everything decides when it is finite (as it is on
-    almost every step); only when it is not does the elementwise check run,
-    which tells an inf or NaN from finite values whose sum overflowed.
+    On TensorFlow a quick sum over everything decides when it is finite
+    (as it is on almost every step); only when it is not does the
+    elementwise check run, which tells an inf or NaN from finite values
+    whose sum overflowed. On JAX and torch the elementwise check runs
+    alone, without a conditional (see the code).
     """
     present = [_values(g) for g in gradients if g is not None]
     if not present:
         return ops.convert_to_tensor(True)
+    if not backend.is_tensorflow():
+        # No conditional: on a GPU, XLA's (and torch's Python `if`) waits
+        # for the device. XLA fuses the per-gradient checks (as Flax's
+        # DynamicScale, which selects with jnp.where for the same reason).
+        return _exact_all_finite(present)
     quick = ops.isfinite(_quick_sum(present))
     return ops.cond(
         quick,

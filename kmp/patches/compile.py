@@ -34,11 +34,15 @@ does, so the logs show the overflow. A model whose `train_step` is its own
 Where a kmp optimizer's step cannot report persistent skips from inside
 itself (`jit_compile=True` on TensorFlow: XLA runs no Python; every JAX
 step, whose state is lost if it raises, jitted or not), `fit`'s train
-function calls `optimizer.check_persistent_skips()` after every call (on
-JAX `check_persistent_skips_now` with the optimizer values the step
-returned, which are assigned to the variables before it raises), so the
-warning appears and "raise" stops `fit` at the step that reaches the
-limit, with the step's state kept, with or without `LossScaleMonitor`.
+function checks after every call, without waiting for the device: the JAX
+step returns its skips in a row and scale packed in one small array (taken
+out of the logs before Keras sees them), TensorFlow's are packed after the
+call, and each is read one step later (`kmp.core.step.lagged`). So the
+warning appears and "raise" stops `fit` one step after the step that
+reaches the limit (on every process at the same step), with the state of
+the step just run kept (on JAX assigned to the variables before it
+raises), with or without `LossScaleMonitor`; `check_persistent_skips_now()`
+reports on the last step of a `fit` at once.
 """
 
 import importlib
@@ -50,7 +54,11 @@ from keras.src.trainers import trainer as _keras_trainer
 from kmp.core import backend
 from kmp.core import kept_state
 from kmp.core import optimizer as optimizer_module
+from kmp.core.step import lagged
 from kmp.patches import registry
+
+# The logs entry of a JAX step that holds its persistent-skips numbers.
+SKIPS_KEY = "_kmp_persistent_skips"
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 
@@ -140,12 +148,16 @@ def make_train_function(original, self, force=False):
                 optimizer.check_persistent_skips()
                 return outputs
             # A step that runs eagerly (run_eagerly, jit_compile=False)
-            # would raise inside, losing the state it returns: the check
-            # waits for it. (logs, state), the optimizer's values in state[2].
+            # would raise inside, losing the state it returns: it leaves
+            # the report to this check. (logs, state).
             with optimizer._skips_reported_after_step():
                 outputs = function(*args, **kwargs)
+            packed = outputs[0].pop(SKIPS_KEY, None)
             try:
-                optimizer.check_persistent_skips_now(outputs[1][2])
+                if packed is None:  # A train_step of the model's own.
+                    optimizer.check_persistent_skips(outputs[1][2])
+                else:
+                    optimizer.check_persistent_skips_packed(packed)
             except FloatingPointError:
                 _write_back(self, outputs[1])
                 raise
@@ -181,9 +193,16 @@ def stateless_train_step(original, self, state, data):
     logs, new_state = original(self, state, data)
     optimizer = getattr(self, "optimizer", None)
     kmp_optimizer = isinstance(optimizer, optimizer_module.LossScaleOptimizer)
-    if not kmp_optimizer or not state[1]:
+    if not kmp_optimizer:
         return logs, new_state
     trainable, non_trainable, optimizer_values, metrics = new_state
+    if optimizer.max_consecutive_skips is not None and isinstance(logs, dict):
+        # For the check after the step (make_train_function), which takes
+        # it out of the logs: a new array, not donated with the state.
+        logs = dict(logs)
+        logs[SKIPS_KEY] = lagged.pack(*optimizer._skip_values(optimizer_values))
+    if not state[1]:
+        return logs, new_state
     # An exempt variable's value after the step is kept either way.
     before = [
         after if kept_state.is_exempt(variable) else value

@@ -1,22 +1,26 @@
-"""`LossScaleOptimizer.stateless_apply`: one step as a pure function.
+"""`LossScaleOptimizer.stateless_apply`: one step as a pure function (JAX).
 
 Keras's JAX trainer (and a JAX loop over `stateless_call`) passes the
 values of the optimizer's and the model's variables and gets new values
-back. Here the inner optimizer's `stateless_apply` runs in one branch of a
-cond on the finite check (in a trace; run eagerly, a Python branch), and
-the other branch returns the values it was given, so a skipped step leaves
-weights, slots and `iterations` exactly as they were; then the loss-scale
-state is updated by the same code as the stateful step, inside a Keras
-`StatelessScope`.
+back. Here the inner optimizer's `stateless_apply` always runs, and each
+value it returns is selected against the value it was given
+(`jnp.where` on the finite check, as Flax's `DynamicScale` and jmp's
+`select_tree`): a skipped step leaves weights, slots and `iterations`
+exactly as they were, and no conditional makes the device wait for the
+host (XLA runs a `lax.cond` on a GPU by copying its predicate to the host).
+Then the loss-scale state is updated by the same code as the stateful step,
+inside a Keras `StatelessScope`. The persistent-skips check reads the
+state a step or more later, without waiting for the device
+(`kmp.core.step.lagged`).
 """
 
+import keras
 from keras import ops
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 
 from kmp.core import backend
-from kmp.core import jax_tracing
-from kmp.core import steps
+from kmp.core.step import common as steps
 
 
 def apply(
@@ -84,14 +88,14 @@ def apply(
     def skipped():
         return list(trainable_variables), list(inner_values)
 
-    if backend.is_jax() and jax_tracing.any_tracer([apply_ok]):
-        new_trainable, new_inner = ops.cond(apply_ok, applied, skipped)
-    else:
-        # Not traced (a JAX step run eagerly, torch): decided here, so the
-        # inner update runs op by op as the inner optimizer's own; inside
-        # ops.cond XLA would compile it and could round it otherwise.
+    if backend.is_torch():
+        # Keras's torch optimizers update the values they are given in
+        # place, also in a StatelessScope: decided first (torch's one read
+        # of the device in a step, as kmp.core.step.torch).
         chosen = applied if bool(ops.convert_to_numpy(apply_ok)) else skipped
         new_trainable, new_inner = chosen()
+    else:
+        new_trainable, new_inner = select(apply_ok, applied(), skipped())
 
     with StatelessScope(state_mapping=mapping) as scope:
         in_a_row = optimizer.update_state(
@@ -102,6 +106,19 @@ def apply(
     if report:
         _report(optimizer, in_a_row, scale)
     return new_trainable, new_own + new_inner
+
+
+def select(condition, when_true, when_false):
+    """Of two structures of values alike, each leaf from `when_true` where
+    the bool scalar `condition` is true, else from `when_false`; a leaf
+    that is the same object in both is passed through."""
+    flat_true = keras.tree.flatten(when_true)
+    flat_false = keras.tree.flatten(when_false)
+    chosen = [
+        a if a is b else ops.where(condition, a, b)
+        for a, b in zip(flat_true, flat_false)
+    ]
+    return keras.tree.pack_sequence_as(when_true, chosen)
 
 
 def apply_to_variables(optimizer, grads, variables, scaled):
@@ -129,10 +146,10 @@ def apply_to_variables(optimizer, grads, variables, scaled):
         variable.assign(value)
     for variable, value in zip(optimizer.variables, new_optimizer):
         variable.assign(value)
-    if optimizer._kept_states.current() is not None and not bool(
-        ops.convert_to_numpy(optimizer.consecutive_skips) == 0
-    ):
-        steps.restore_kept_state(optimizer)
+    restore = optimizer._kept_states.current()
+    if restore is not None:
+        # Selected on the device: the values kept where the step skipped.
+        restore(ops.not_equal(optimizer.consecutive_skips_variable.value, 0))
     optimizer.report_persistent_skips_now()
 
 

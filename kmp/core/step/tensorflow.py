@@ -9,9 +9,9 @@ applied at once and undone on a skipped step.
 """
 
 from kmp.core import backend
-from kmp.core import steps
 from kmp.core import tf_apply
 from kmp.core.fused import FusedAdam
+from kmp.core.step import common as steps
 
 tf = backend.tensorflow()
 

@@ -1,12 +1,11 @@
-"""One `LossScaleOptimizer` step, the part every backend shares.
+"""The parts of a `LossScaleOptimizer` step that every backend shares.
 
-`prepare` unscales the gradients (when they are scaled) and decides whether
-the step is applied: all gradients finite, and a finite learning rate (a
-NaN learning rate would write NaN into every weight). `apply_eagerly` runs a
-whole step where values are concrete (torch, TensorFlow eagerly); on a
-skipped one it also writes back the state `keep_on_skip` kept.
-TensorFlow's graphs and `tf.distribute` are `kmp.core.tf_steps`; JAX's pure
-step is `kmp.core.stateless`; under `torch.distributed` the flags are agreed
+`prepare` unscales the gradients (when they are scaled) and decides, as
+tensors, whether the step is applied: all gradients finite, and a finite
+learning rate (a NaN learning rate would write NaN into every weight).
+TensorFlow's step (`kmp.core.step.tensorflow`) and the pure step of JAX
+(`kmp.core.step.jax`) use it; torch's (`kmp.core.step.torch`) does the same
+with multi-tensor ops. Under `torch.distributed` the flags may be agreed
 across processes by `kmp.core.torch_distributed`.
 """
 
@@ -75,19 +74,6 @@ def prepare(optimizer, grads, variables, scaled):
             finite, apply_ok, per_gradient
         )
     return grads, finite, apply_ok, per_gradient
-
-
-def apply_eagerly(optimizer, grads, variables, scaled):
-    """A whole step on concrete values: check, apply or skip, update."""
-    grads, finite, apply_ok, per_gradient = prepare(
-        optimizer, grads, variables, scaled
-    )
-    if bool(ops.convert_to_numpy(apply_ok)):
-        optimizer.inner_optimizer.apply(grads, variables)
-    else:
-        restore_kept_state(optimizer)
-    optimizer.update_state(finite, apply_ok, per_gradient, variables)
-    optimizer.report_persistent_skips_now()
 
 
 def restore_kept_state(optimizer) -> None:

@@ -1,0 +1,108 @@
+"""The persistent-skips check a step later, without waiting for the device.
+
+A compiled step (JAX's `jit`, TensorFlow's XLA) cannot warn or raise from
+inside, so the host reads the two numbers the check needs, the skips in a
+row and the scale, after the step. Reading them right away would make the
+host wait for the device after every step, and the device would idle while
+the host prepares the next one. Instead, each step's two numbers are kept
+in a small array of their own (a new buffer, so a loop that donates its
+state to the next step does not delete it), its copy to the host is
+started, and it is read `LAG` steps later, when the device has long
+finished it:
+
+- the check of step k reports on step k - `LAG`, the same step on every
+  process (a report that depended on timing would have the processes of a
+  multi-process run raise at different steps and hang their collectives);
+- the last `LAG` steps of a loop are reported by `flush` (the loop's
+  `check_persistent_skips_now`).
+
+On torch the step reads the device once anyway (to apply or skip), and
+its report needs no lag (`kmp.core.step.torch`).
+"""
+
+import collections
+
+import numpy as np
+
+from kmp.core import backend
+
+# Steps between a step and the check that reads its numbers.
+LAG = 1
+
+
+def pack(in_a_row, scale):
+    """The two numbers as one float32 array of shape (2,) (counts are exact
+    in float32 up to 2**24, far beyond any `max_consecutive_skips`)."""
+    from keras import ops
+
+    return ops.stack(
+        [ops.cast(in_a_row, "float32"), ops.cast(scale, "float32")]
+    )
+
+
+_jitted_pack = None
+
+
+def _pack_outside_trace(in_a_row, scale):
+    """`pack` as one dispatch on JAX (a new buffer), or eagerly."""
+    global _jitted_pack
+    if backend.is_jax():
+        if _jitted_pack is None:
+            import jax
+
+            _jitted_pack = jax.jit(pack)
+        return _jitted_pack(in_a_row, scale)
+    return pack(in_a_row, scale)
+
+
+def is_jax_array(value) -> bool:
+    """Whether `value` is a concrete JAX array (not a tracer, not NumPy)."""
+    if not backend.is_jax():
+        return False
+    import jax
+
+    return isinstance(value, jax.Array) and not isinstance(
+        value, jax.core.Tracer
+    )
+
+
+class LaggedChecks:
+    """The packed numbers of the steps not reported yet, oldest first."""
+
+    def __init__(self):
+        self._copies = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def add_packed(self, packed) -> None:
+        """Keeps a step's packed numbers (see `pack`) and starts their copy
+        to the host."""
+        start = getattr(packed, "copy_to_host_async", None)
+        if start is not None:
+            start()
+        self._copies.append(packed)
+
+    def add(self, in_a_row, scale) -> None:
+        """Packs a step's numbers into a new buffer and keeps them."""
+        self.add_packed(_pack_outside_trace(in_a_row, scale))
+
+    def due(self):
+        """`(in_a_row, scale)` of every step `LAG` or more steps old,
+        oldest first; each is handed out once."""
+        while len(self._copies) > LAG:
+            yield _read(self._copies.popleft())
+
+    def flush(self):
+        """`(in_a_row, scale)` of every step kept, oldest first (waits for
+        the newest)."""
+        while self._copies:
+            yield _read(self._copies.popleft())
+
+    def clear(self) -> None:
+        self._copies.clear()
+
+
+def _read(packed):
+    in_a_row, scale = np.asarray(packed).tolist()
+    return int(in_a_row), float(scale)

@@ -1,0 +1,178 @@
+"""One `LossScaleOptimizer` step on torch, with one read of the device.
+
+PyTorch's `GradScaler` reads the device once per step (whether any
+gradient was inf/NaN) and keeps everything else there; so does this step:
+
+1. unscale: one multi-tensor division of the gradients by the scale (the
+   scale stays a tensor on the device, nothing is uploaded), low-precision
+   gradients in float32;
+2. check: one multi-tensor max-norm; a gradient is finite when its largest
+   absolute value is (inf and NaN propagate), and the learning rate must be
+   finite too; under `torch.distributed` the flags may be agreed across the
+   processes (`kmp.core.torch_distributed`);
+3. read, once: whether the step is applied and the skips in a row so far,
+   stacked into one small tensor (the one wait of the step, as
+   `GradScaler.step`'s `found_inf.item()`);
+4. apply with the inner optimizer, or skip and put back what
+   `keep_on_skip` kept;
+5. update the loss-scale state with device ops whose Python numbers are
+   kernel arguments (no upload), following `kmp.core.loss_scale.ScaleRule`
+   exactly; the persistent-skips report needs no further read: the count
+   in a row follows from the numbers read in 3.
+
+The kernels a step adds do not grow with the number of variables: the
+division and the check are one `torch._foreach_*` op each per dtype.
+"""
+
+import torch
+
+from kmp.core import checks
+from kmp.core import torch_distributed
+from kmp.core.step import common
+
+_WIDE = (torch.float32, torch.float64)
+
+
+def unscale(grads, scale, keep=()):
+    """`grads` divided by `scale` (a float32 0-d tensor); None and the
+    indices in `keep` stay as they are. float32/float64 gradients in one
+    multi-tensor op per dtype; float16/bfloat16 ones in float32."""
+    result = list(grads)
+    groups = {}
+    for index, gradient in enumerate(grads):
+        if gradient is None or index in keep:
+            continue
+        groups.setdefault(gradient.dtype, []).append(index)
+    for dtype, indices in groups.items():
+        tensors = [grads[i] for i in indices]
+        if dtype in _WIDE:
+            divisor = scale if dtype == torch.float32 else scale.to(dtype)
+            divided = torch._foreach_div(tensors, divisor)
+        else:
+            wide = [t.to(torch.float32) for t in tensors]
+            divided = [t.to(dtype) for t in torch._foreach_div(wide, scale)]
+        for i, value in zip(indices, divided):
+            result[i] = value
+    return result
+
+
+def finite_flags(grads):
+    """A bool tensor: for each gradient present, whether it is finite."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return torch.ones((0,), dtype=torch.bool)
+    norms = torch._foreach_norm(present, float("inf"))
+    return torch.isfinite(torch.stack([n.to(torch.float32) for n in norms]))
+
+
+def _per_gradient(grads, flags):
+    """One bool 0-d tensor per gradient (True for None)."""
+    values = iter(flags.unbind())
+    true = torch.ones((), dtype=torch.bool, device=flags.device)
+    return [true if g is None else next(values) for g in grads]
+
+
+def apply(optimizer, grads, variables, scaled: bool) -> None:
+    """A whole step on torch; see the module docstring."""
+    scale = optimizer.dynamic_scale.value
+    if scaled:
+        keep = {
+            i
+            for i, v in enumerate(variables)
+            if optimizer._overwrite_variable_with_gradient(v)
+        }
+        grads = unscale(grads, scale, keep)
+    flags = finite_flags(grads)
+    finite = flags.all()
+    per_gradient = None
+    if optimizer._record_nonfinite:
+        per_gradient = _per_gradient(grads, flags)
+    apply_ok = finite
+    rate = common.current_learning_rate(optimizer.inner_optimizer)
+    if rate is not None:
+        rate = getattr(rate, "value", rate)
+        if torch.is_tensor(rate):
+            apply_ok = torch.logical_and(finite, torch.isfinite(rate).all())
+        elif not checks.is_finite_number(rate):
+            apply_ok = torch.zeros_like(finite)
+    finite, apply_ok, per_gradient = torch_distributed.agree(
+        finite, apply_ok, per_gradient
+    )
+    in_a_row_before = optimizer.consecutive_skips_variable.value
+    # The step's one read of the device.
+    read = torch.stack(
+        [apply_ok.to(torch.int64), in_a_row_before.to(torch.int64)]
+    )
+    applied, in_a_row_before = read.tolist()
+    if applied:
+        optimizer.inner_optimizer.apply(grads, variables)
+        in_a_row = 0
+    else:
+        common.restore_kept_state(optimizer)
+        in_a_row = in_a_row_before + 1
+    update_state(optimizer, finite, bool(applied), per_gradient, variables)
+    if in_a_row and optimizer._max_consecutive_skips is not None:
+        if in_a_row >= optimizer._max_consecutive_skips:
+            optimizer.report_persistent_skips(
+                in_a_row, float(optimizer.dynamic_scale.value)
+            )
+
+
+@torch.no_grad()
+def update_state(optimizer, finite, applied: bool, per_gradient, variables):
+    """`StateMixin.update_state` in place on the device, knowing in Python
+    whether the step was applied (read already) but not whether it was
+    finite (a step with a NaN learning rate is skipped, yet finite)."""
+    if applied:
+        optimizer.consecutive_skips_variable.value.zero_()
+    else:
+        optimizer.skipped_steps_variable.value.add_(1)
+        optimizer.consecutive_skips_variable.value.add_(1)
+        if per_gradient is not None and optimizer.nonfinite_mask is not None:
+            position = {id(v): i for i, v in enumerate(variables)}
+            false = torch.zeros((), dtype=torch.bool, device=finite.device)
+            bad = [
+                torch.logical_not(per_gradient[position[id(v)]])
+                if id(v) in position
+                else false
+                for v in optimizer._trainable_variables
+            ]
+            optimizer.nonfinite_mask.value.copy_(torch.stack(bad))
+    if optimizer.dynamic:
+        _next_scale(optimizer, finite)
+
+
+def _next_scale(optimizer, finite):
+    """`ScaleRule.next` on the variables' tensors (see its pseudo-code)."""
+    rule = optimizer.rule
+    scale = optimizer.dynamic_scale.value
+    counter = optimizer.step_counter.value
+    hysteresis_left = optimizer.hysteresis_left.value
+    counted = counter + 1
+    grow = torch.logical_and(finite, counted >= rule.growth_steps)
+    grown = scale * rule.growth_factor
+    grown = torch.where(grown <= rule.max_scale, grown, scale)
+    backs_off = torch.logical_and(
+        torch.logical_not(finite), hysteresis_left <= 1
+    )
+    backed_off = torch.clamp_min(scale * rule.backoff_factor, rule.min_scale)
+    new_scale = torch.where(
+        grow, grown, torch.where(backs_off, backed_off, scale)
+    )
+    new_counter = torch.where(
+        torch.logical_and(finite, torch.logical_not(grow)),
+        counted,
+        torch.zeros_like(counter),
+    )
+    new_hysteresis = torch.where(
+        grow,
+        torch.full_like(hysteresis_left, rule.hysteresis),
+        torch.where(
+            torch.logical_or(finite, backs_off),
+            hysteresis_left,
+            hysteresis_left - 1,
+        ),
+    )
+    scale.copy_(new_scale)
+    counter.copy_(new_counter)
+    hysteresis_left.copy_(new_hysteresis)
