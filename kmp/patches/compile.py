@@ -170,6 +170,25 @@ def make_train_function(original, self, force=False):
     return returned
 
 
+def fit(original, self, *args, **kwargs):
+    """Keras's `fit`; where a kmp optimizer's check comes a step late (see
+    `make_train_function`), the last step of `fit` is checked at its end,
+    once Keras has read the logs of the epoch."""
+    history = original(self, *args, **kwargs)
+    if _needs_skip_check(self):
+        self.optimizer.check_persistent_skips_now()
+    return history
+
+
+def train_on_batch(original, self, *args, **kwargs):
+    """Keras's `train_on_batch`, which reads its logs anyway: the step is
+    checked at once (see `fit`)."""
+    logs = original(self, *args, **kwargs)
+    if _needs_skip_check(self):
+        self.optimizer.check_persistent_skips_now()
+    return logs
+
+
 def train_step(original, self, data):
     """Keras's `train_step` (TensorFlow, torch); under a kmp optimizer a
     skipped step leaves the model's non-trainable variables as they were
@@ -253,9 +272,13 @@ def _trainer_targets():
         registry.Target(trainer, "train_step", step),
     ]
     if backend.is_tensorflow() or backend.is_jax():
-        targets.append(
-            registry.Target(trainer, "make_train_function", make_train_function)
-        )
+        targets += [
+            registry.Target(
+                trainer, "make_train_function", make_train_function
+            ),
+            registry.Target(trainer, "fit", fit),
+            registry.Target(trainer, "train_on_batch", train_on_batch),
+        ]
     return targets
 
 
@@ -284,8 +307,9 @@ PATCH = registry.Patch(
         "optimizer in kmp.LossScaleOptimizer, saved in Keras's file layout, "
         "and adds none to a model without float16 layers; with kmp's "
         "optimizer a step fit skips leaves the model's non-trainable "
-        "variables as they were; under XLA fit checks kmp's persistent "
-        "skips after every step"
+        "variables as they were; under XLA (and on JAX) fit checks kmp's "
+        "persistent skips a step after each step and at its end, and "
+        "train_on_batch after its step"
     ),
     targets=_trainer_targets,
     check=_works,

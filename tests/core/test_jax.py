@@ -298,14 +298,17 @@ def test_persistent_skips_raise_from_check_persistent_skips():
     )
     # Inside the jitted step nothing raises (a sharded step would hang).
     run = _skip_run(optimizer, [1.0, INF, INF])
+    # The check keeps the numbers of the step just run and reports on the
+    # step before: a step late, never waiting for the device.
+    optimizer.check_persistent_skips()
+    run(NAN)
     with pytest.raises(FloatingPointError, match="skipped the last 2 steps"):
         optimizer.check_persistent_skips()
     # It raises on every check at or beyond the limit.
-    run(NAN)
+    run(1.0)
     with pytest.raises(FloatingPointError, match="skipped the last 3 steps"):
         optimizer.check_persistent_skips()
-    run(1.0)
-    optimizer.check_persistent_skips()  # A finite step ends the run.
+    optimizer.check_persistent_skips_now()  # The finite step ended the run.
     assert int(optimizer.iterations) == 2
     assert int(optimizer.skipped_steps) == 3
 
@@ -331,11 +334,12 @@ def _reported(check):
 
 
 @pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
-def test_jitted_loop_checks_persistent_skips_at_most_one_step_late(donate):
+def test_jitted_loop_checks_persistent_skips_one_step_late(donate):
     """No host callback in the step, and no wait for it after: the loop's
-    check reports the step reaching the limit at that call or the next one
-    (also when each step donates the state it was given), on the values it
-    holds, without assigning them to the variables."""
+    check reports the step reaching the limit at the next call, always
+    (the same step on every process), also when each step donates the
+    state it was given, on the values it holds, without assigning them to
+    the variables."""
     model = training.model()
     optimizer = _raising_loop_optimizer(model, limit=2)
     step = _jitted_step(model, optimizer, donate=donate)
@@ -345,11 +349,11 @@ def test_jitted_loop_checks_persistent_skips_at_most_one_step_late(donate):
     optimizer.check_persistent_skips(state[2])  # One skip: below the limit.
     state, _ = step(state, x, y, NAN)  # The second in a row: the limit.
     check = lambda: optimizer.check_persistent_skips(state[2])  # noqa: E731
-    if not _reported(check):  # Not arrived yet: then by the next call.
-        state, _ = step(state, x, y, INF)
-        assert _reported(check)
+    assert not _reported(check)  # Reports on the step before: one skip.
+    state, _ = step(state, x, y, 1.0)
+    assert _reported(check)  # The step that reached the limit.
     # The variables were never assigned: they hold no skips.
-    optimizer.check_persistent_skips()
+    optimizer.check_persistent_skips_now()
     assert int(optimizer.skipped_steps) == 0
 
 
@@ -437,8 +441,9 @@ def test_loop_check_refuses_values_of_the_wrong_length():
 
 
 def test_fit_raises_on_persistent_skips_without_a_monitor():
-    """fit checks after every step (the compile patch), as under XLA on
-    TensorFlow: "raise" stops fit at the batch that reaches the limit."""
+    """fit checks a step after every step (the compile patch), as under
+    XLA on TensorFlow: "raise" stops fit at the batch after the one that
+    reaches the limit."""
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     optimizer = kmp.LossScaleOptimizer(
         keras.optimizers.SGD(0.1),

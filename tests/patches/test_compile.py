@@ -123,7 +123,10 @@ def test_fit_skipped_step_leaves_non_trainable_variables_bit_for_bit(mode):
 @pytest.mark.parametrize("mode", backends.MODES)
 def test_fit_stopped_by_persistent_skips_leaves_the_statistics_restored(mode):
     # "raise" stops fit at the skipped step; what the step wrote is
-    # already back (TensorFlow raises from inside its graph).
+    # already back (TensorFlow raises from inside its graph). Where the
+    # check reads the step's numbers a step later (on JAX, under XLA), it
+    # stops fit at the next step, and the skipped step's statistics were
+    # put back.
     with pytest.raises(Exception, match="skipped the last 1 steps") as caught:
         overflow.fit(
             overflow.X_OVERFLOW,
@@ -133,8 +136,13 @@ def test_fit_stopped_by_persistent_skips_leaves_the_statistics_restored(mode):
         )
     trained, record = caught.value.model, caught.value.record
     assert int(trained.optimizer.skipped_steps) == 1
-    now = [overflow.copies(v) for v in trained.non_trainable_variables]
-    assert now == record.non_trainable[overflow.OVERFLOW_BATCH]
+    before = record.non_trainable[overflow.OVERFLOW_BATCH]
+    if backends.JAX or mode == "jit":
+        assert len(record.non_trainable) == overflow.OVERFLOW_BATCH + 2
+        assert record.non_trainable[overflow.OVERFLOW_BATCH + 1] == before
+    else:
+        now = [overflow.copies(v) for v in trained.non_trainable_variables]
+        assert now == before
 
 
 @pytest.mark.parametrize("mode", backends.MODES)
