@@ -7,7 +7,7 @@ whole step where values are concrete (torch, TensorFlow eagerly); on a
 skipped one it also writes back the state `keep_on_skip` kept.
 TensorFlow's graphs and `tf.distribute` are `kmp.core.tf_steps`; JAX's pure
 step is `kmp.core.stateless`; under `torch.distributed` the flags are agreed
-across processes by `kmp.core.torch_distributed`.
+across processes where asked (`kmp.core.torch_distributed`).
 """
 
 from keras import ops
@@ -72,7 +72,7 @@ def prepare(optimizer, grads, variables, scaled):
         )
     if backend.is_torch():
         finite, apply_ok, per_gradient = torch_distributed.agree(
-            finite, apply_ok, per_gradient
+            finite, apply_ok, per_gradient, optimizer
         )
     return grads, finite, apply_ok, per_gradient
 
