@@ -6,8 +6,15 @@ of `tests.support.distributed` on their half of every batch with kmp's
 torch loop: under `DistributedDataParallel` (kmp's recipe and Keras 3's) and
 with the gradients all-reduced by hand (tests/support/torch_ddp_worker.py).
 Process 1 alone sees an inf in its data at one step (the all-reduce spreads
-it) and an inf written into its gradient after the all-reduce at another
-(only kmp's agreement, `kmp.core.torch_distributed`, spreads that one).
+it) and, with the gradients all-reduced by hand and the check agreed
+(`kmp.core.torch_distributed.agree_across_processes`, as a sharded
+optimizer needs), an inf written into its gradient after the all-reduce
+at another (only that agreement spreads it). Beyond lockstep
+(tests/support/torch_phases_worker.py): uneven inputs under DDP's
+`join()` and one process training alone, where kmp makes no collective
+and trains as plain Adam does; settings that differ across the processes,
+and a collective of kmp that a process never joins, which fail with
+errors naming kmp.
 """
 
 import pickle
