@@ -3,10 +3,13 @@
 On Keras's torch backend a model is a `torch.nn.Module`, so torch's
 `DistributedDataParallel` wraps it as it is. Each process trains on its
 share of every batch with kmp's torch loop (examples/torch_custom_loop.py);
-DDP averages the gradients across the processes during `backward()`, and
-kmp's `LossScaleOptimizer` applies or skips the step on every process
-alike: it agrees the inf/NaN check across the processes, so a step that
-overflowed anywhere is skipped everywhere and the loss scales stay equal.
+DDP averages the gradients across the processes during `backward()`, so
+kmp's `LossScaleOptimizer` checks the same sum on every process and applies
+or skips the step alike: a step that overflowed anywhere is skipped
+everywhere and the loss scales stay equal, with no collective of kmp's.
+`agree_across_processes(optimizer, every_step=False)` has the first step
+compare the optimizers' settings across the processes (built differently,
+they raise a `ValueError`).
 Two processes on the CPU, started by torch's launcher (`torchrun`):
 
     KERAS_BACKEND=torch python -m torch.distributed.run --standalone \\
@@ -32,6 +35,7 @@ from digits import load_data  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import kmp  # noqa: E402
+from kmp.core import torch_distributed  # noqa: E402
 
 SMALL = os.environ.get("KMP_EXAMPLE_SMALL") == "1"
 EPOCHS = 2 if SMALL else 10
@@ -68,6 +72,7 @@ def main() -> None:
     model = build_model()
     ddp_model = DistributedDataParallel(model)
     optimizer = kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+    torch_distributed.agree_across_processes(optimizer, every_step=False)
     loss_fn = keras.losses.SparseCategoricalCrossentropy()
     losses = []
     for _ in range(EPOCHS):

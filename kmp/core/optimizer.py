@@ -23,6 +23,7 @@ from kmp.core import checks
 from kmp.core import kept_state
 from kmp.core import loss_scale as rule_module
 from kmp.core import optimizer_arguments as arguments
+from kmp.core import process_settings
 from kmp.core import recipes
 from kmp.core.optimizer_arguments import ArgumentTypeError
 from kmp.core.optimizer_scaling import ScalingMixin
@@ -90,9 +91,10 @@ class LossScaleOptimizer(
     in a JAX loop). Not restored: the loss-scale state (it records the
     skip), Keras metrics (they log the inf/NaN loss, as Keras's own do).
 
-    A step not finite on one replica or process is skipped on all. Under
-    `torch.distributed`, every process calls `apply_gradients` at each step
-    (the processes agree on the check: `kmp.core.torch_distributed`).
+    A step not finite on one replica or process is skipped on all (under
+    `torch.distributed`, where the gradients are all-reduced, or the check
+    agreed: `kmp.core.torch_distributed`). Processes whose optimizers were
+    built differently raise a `ValueError` (`kmp.core.process_settings`).
 
     Args:
         inner_optimizer: The Keras optimizer to wrap (not a loss-scale one),
@@ -215,6 +217,7 @@ class LossScaleOptimizer(
         self._recipes = recipes.Recipes()
         self._kept_states = kept_state.KeptStates()
         self.nonfinite_mask = None
+        process_settings.check_jax_processes(self)
         self._create_state_variables()
 
     @property
@@ -321,6 +324,7 @@ class LossScaleOptimizer(
         super().__setattr__(name, value)
 
     def build(self, var_list):
+        process_settings.check_jax_processes(self)
         self._inner_optimizer.build(var_list)
         _KerasOptimizer.build(self, var_list)
         self._create_nonfinite_mask()

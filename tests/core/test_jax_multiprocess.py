@@ -128,3 +128,37 @@ def test_the_example_trains_on_two_processes():
     assert last < first
     assert "skipped steps: 0" in out and "loss scale: 32768" in out
     assert "same weights and loss scale on every process: True" in out
+
+
+@pytest.fixture(scope="module")
+def mismatches(tmp_path_factory):
+    """What each process recorded with other settings on process 1."""
+    out_dir = tmp_path_factory.mktemp("jax_mismatch")
+    _launch(
+        "tests/support/jax_multiprocess_worker.py",
+        lambda port, process: (port, process, out_dir, "mismatch"),
+    )
+    loaded = []
+    for process in range(dd.PROCESSES):
+        with open(out_dir / f"process{process}.pkl", "rb") as file:
+            loaded.append(pickle.load(file)["mismatch"])
+    return loaded
+
+
+@pytest.mark.parametrize(
+    "name, setting, values",
+    [
+        ("initial_scale", "initial_scale", ("8.0", "1024.0")),
+        ("growth_factor", "growth_factor", ("2.0", "3.0")),
+        ("growth_factor_at_build", "growth_factor", ("2.0", "3.0")),
+    ],
+)
+def test_settings_that_differ_across_processes_raise(
+    mismatches, name, setting, values
+):
+    first, second = (m[name] for m in mismatches)
+    assert first == second and first is not None
+    assert first.startswith("kmp.LossScaleOptimizer: ")
+    assert (
+        f"{setting} is {values[0]} on process 0, {values[1]} on process 1"
+    ) in first

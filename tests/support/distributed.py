@@ -65,13 +65,10 @@ def model():
 
 
 def optimizer(**kwargs):
-    """A dynamic scale from 8 that grows after 2 finite steps in a row."""
-    return kmp.LossScaleOptimizer(
-        keras.optimizers.Adam(0.01),
-        initial_scale=8,
-        dynamic_growth_steps=2,
-        **kwargs,
-    )
+    """A dynamic scale from 8 that grows after 2 finite steps in a row
+    (unless `kwargs` say otherwise)."""
+    settings = {"initial_scale": 8, "dynamic_growth_steps": 2, **kwargs}
+    return kmp.LossScaleOptimizer(keras.optimizers.Adam(0.01), **settings)
 
 
 def rows(step, process=None):

@@ -2,7 +2,8 @@
 
 Not a test module. Started once per process,
 
-    python tests/support/jax_multiprocess_worker.py PORT PROCESS_ID OUT_DIR
+    python tests/support/jax_multiprocess_worker.py PORT PROCESS_ID OUT_DIR \
+        [mismatch]
 
 each process joins `jax.distributed` (coordinator on localhost:PORT, gloo
 collectives on the CPU), and trains `tests.support.distributed`'s model
@@ -10,7 +11,9 @@ under mixed_float16 with `keras.distribution.DataParallel` over the devices
 of both processes, on its half of every batch: with `fit` and with the
 documented jitted loop (examples/jax_custom_loop.py). It writes its
 `snapshot` after every step to OUT_DIR/process<id>.pkl. The test computes
-its one-process references with `train_fit` and `train_jitted` too.
+its one-process references with `train_fit` and `train_jitted` too. With
+`mismatch`, it instead creates optimizers with other settings on process
+1 (`MISMATCHES`) and records the error each raised.
 """
 
 import contextlib
@@ -29,6 +32,13 @@ import kmp  # noqa: E402
 from tests.support import distributed as dd  # noqa: E402
 
 SCENARIOS = ("fit", "jit")
+# Settings process 1 gets and process 0 does not, and whether the optimizer
+# is created under the distribution (else only built under it).
+MISMATCHES = {
+    "initial_scale": ({"initial_scale": 1024}, True),
+    "growth_factor": ({"growth_factor": 3}, True),
+    "growth_factor_at_build": ({"growth_factor": 3}, False),
+}
 
 
 def data_parallel(devices):
@@ -147,7 +157,31 @@ def train_jitted(x, y, batch_size, distribution=None):
     return states
 
 
-def main(port, process_id, out_dir):
+def mismatch(name, process_id, distribution):
+    """The error creating (or building) the optimizer raised, with other
+    settings on process 1."""
+    settings, created_under = MISMATCHES[name]
+    settings = settings if process_id == 1 else {}
+    kmp.set_global_policy("mixed_float16")
+    try:
+        with distribution.scope():
+            keras.utils.set_random_seed(0)  # As _build.
+            model = dd.model()
+        scope = distribution.scope() if created_under else (
+            contextlib.nullcontext()
+        )  # fmt: skip
+        with scope:
+            optimizer = dd.optimizer(**settings)
+        with distribution.scope():
+            optimizer.build(model.trainable_variables)
+    except ValueError as error:
+        return str(error)
+    finally:
+        kmp.set_global_policy(None)
+    return None
+
+
+def main(port, process_id, out_dir, mode="train"):
     jax.distributed.initialize(
         coordinator_address=f"localhost:{port}",
         num_processes=dd.PROCESSES,
@@ -159,15 +193,21 @@ def main(port, process_id, out_dir):
     results = {
         "processes": jax.process_count(),
         "devices": jax.device_count(),
-        "states": {
+    }
+    if mode == "mismatch":
+        results["mismatch"] = {
+            name: mismatch(name, process_id, distribution)
+            for name in MISMATCHES
+        }
+    else:
+        results["states"] = {
             "fit": train_fit(x, y, dd.LOCAL_BATCH, distribution),
             "jit": train_jitted(x, y, dd.LOCAL_BATCH, distribution),
-        },
-    }
+        }
     with open(os.path.join(out_dir, f"process{process_id}.pkl"), "wb") as file:
         pickle.dump(results, file)
     jax.distributed.shutdown()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:])

@@ -26,14 +26,26 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import kmp  # noqa: E402
+from kmp.core import torch_distributed  # noqa: E402
 from tests.support import distributed as dd  # noqa: E402
 
 # How the processes combine their gradients: DistributedDataParallel in the
-# backward pass (kmp's recipe, or Keras 3's: scale_loss, and the scaled
-# gradients straight to apply_gradients), or an all-reduce by hand (with an
-# optimizer that records which gradients were not finite).
+# backward pass (kmp's recipe; Keras 3's: scale_loss, and the scaled
+# gradients straight to apply_gradients, with the settings compared at the
+# first step), or an all-reduce by hand after which process 1 writes an inf
+# into its gradient, with the check agreed across the processes (as a
+# sharded optimizer needs) by an optimizer that records which gradients
+# were not finite.
 SCENARIOS = ("ddp", "ddp_keras_recipe", "all_reduce")
 RECORDS_NONFINITE = "all_reduce"
+AGREED = "all_reduce"
+
+
+def bad_steps(scenario):
+    """The steps a fault on process 1 makes every process skip."""
+    if scenario == AGREED:
+        return {dd.DATA_FAULT_STEP, dd.GRADIENT_FAULT_STEP}
+    return {dd.DATA_FAULT_STEP}
 
 
 def recipe_of(scenario):
@@ -85,6 +97,10 @@ def run_scenario(scenario, rank):
     optimizer = dd.optimizer(record_nonfinite=scenario == RECORDS_NONFINITE)
     optimizer.build(model.trainable_variables)
     recipe = recipe_of(scenario)
+    if scenario == AGREED:
+        torch_distributed.agree_across_processes(optimizer)
+    elif scenario == "ddp_keras_recipe":
+        torch_distributed.agree_across_processes(optimizer, every_step=False)
     if scenario.startswith("ddp"):
         module = DistributedDataParallel(model)
         reduce = list
@@ -97,7 +113,8 @@ def run_scenario(scenario, rank):
         x, y = torch.as_tensor(dd.X[rows]), torch.as_tensor(dd.Y[rows])
         return reduce(scaled_gradients(module, model, optimizer, recipe, x, y))
 
-    states = train(model, optimizer, recipe, gradients, rank == 1)
+    inject = rank == 1 and scenario == AGREED
+    states = train(model, optimizer, recipe, gradients, inject)
     kmp.set_global_policy(None)
     nonfinite = None
     if optimizer.nonfinite_mask is not None:

@@ -4,9 +4,9 @@
 tensors, whether the step is applied: all gradients finite, and a finite
 learning rate (a NaN learning rate would write NaN into every weight).
 TensorFlow's step (`kmp.core.step.tensorflow`) and the pure step of JAX
-(`kmp.core.step.jax`) use it; torch's (`kmp.core.step.torch`) does the same
-with multi-tensor ops. Under `torch.distributed` the flags may be agreed
-across processes by `kmp.core.torch_distributed`.
+(`kmp.core.step.stateless`) use it; torch's (`kmp.core.step.torch`) does the same
+with multi-tensor ops. Under `torch.distributed` the flags are agreed
+across processes where asked (`kmp.core.torch_distributed`).
 """
 
 from keras import ops
@@ -71,7 +71,7 @@ def prepare(optimizer, grads, variables, scaled):
         )
     if backend.is_torch():
         finite, apply_ok, per_gradient = torch_distributed.agree(
-            finite, apply_ok, per_gradient
+            finite, apply_ok, per_gradient, optimizer
         )
     return grads, finite, apply_ok, per_gradient
 

@@ -8,8 +8,8 @@ gradient was inf/NaN) and keeps everything else there; so does this step:
    gradients in float32;
 2. check: one multi-tensor max-norm; a gradient is finite when its largest
    absolute value is (inf and NaN propagate), and the learning rate must be
-   finite too; under `torch.distributed` the flags may be agreed across the
-   processes (`kmp.core.torch_distributed`);
+   finite too; under `torch.distributed` the flags are agreed across the
+   processes where asked (`kmp.core.torch_distributed`);
 3. read, once: whether the step is applied and the skips in a row so far,
    stacked into one small tensor (the one wait of the step, as
    `GradScaler.step`'s `found_inf.item()`);
@@ -96,7 +96,7 @@ def apply(optimizer, grads, variables, scaled: bool) -> None:
         elif not checks.is_finite_number(rate):
             apply_ok = torch.zeros_like(finite)
     finite, apply_ok, per_gradient = torch_distributed.agree(
-        finite, apply_ok, per_gradient
+        finite, apply_ok, per_gradient, optimizer
     )
     in_a_row_before = optimizer.consecutive_skips_variable.value
     # The step's one read of the device.
