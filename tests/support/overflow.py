@@ -137,6 +137,38 @@ def fit(x, y, optimizer_kwargs=None, **compile_kwargs):
     return record, trained
 
 
+# The most a value of a jitted JAX step may differ from the same step in
+# another program, in units in the last place (measured: 1).
+FUSION_ULPS = 4
+
+
+def ulps_apart(a, b) -> float:
+    """How many float32 (or the arrays' dtype) ulps `a` and `b` differ by,
+    at most (0 if equal, inf if one is not finite where the other is)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype.kind != "f":
+        return 0.0 if np.array_equal(a, b) else np.inf
+    if np.array_equal(a, b, equal_nan=True):
+        return 0.0
+    with np.errstate(invalid="ignore", over="ignore"):
+        spacing = np.spacing(np.maximum(np.abs(a), np.abs(b)))
+        return float(np.nanmax(np.abs(a - b) / spacing))
+
+
+def assert_within_ulps(steps, reference_steps, variables, ulps=FUSION_ULPS):
+    """Each recorded step of `variables` (bytes per device, as `Record`
+    keeps them) within `ulps` of the reference's."""
+    assert len(steps) == len(reference_steps)
+    for step, (now, then) in enumerate(zip(steps, reference_steps)):
+        for variable, mine, theirs in zip(variables, now, then):
+            dtype = np.dtype(keras.backend.standardize_dtype(variable.dtype))
+            for a, b in zip(mine, theirs):
+                apart = ulps_apart(
+                    np.frombuffer(a, dtype), np.frombuffer(b, dtype)
+                )
+                assert apart <= ulps, (step, variable.path, apart)
+
+
 def assert_kept_and_matches_keras(run, reference):
     """`run` trained on `X_OVERFLOW`, `reference` on the batches without the
     overflowing one with Keras's own `train_step`: the skipped step left
@@ -151,7 +183,20 @@ def assert_kept_and_matches_keras(run, reference):
     assert record.weights[after] == record.weights[before]
     # The other steps: as Keras's train_step alone, without the batch.
     del record.weights[after], record.non_trainable[after]
-    assert record.weights == reference_record.weights
-    assert record.non_trainable == reference_record.non_trainable
+    if backends.JAX:
+        # One program with kmp's select of the non-trainable values, one
+        # without: XLA may round the forward pass of each otherwise
+        # (docs/guarantees.md); equal within a few ulps.
+        assert_within_ulps(
+            record.weights, reference_record.weights, trained.weights
+        )
+        assert_within_ulps(
+            record.non_trainable,
+            reference_record.non_trainable,
+            trained.non_trainable_variables,
+        )
+    else:
+        assert record.weights == reference_record.weights
+        assert record.non_trainable == reference_record.non_trainable
     # The batches did change the statistics (the test can fail).
     assert record.non_trainable[1] != record.non_trainable[0]
