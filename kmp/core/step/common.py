@@ -4,8 +4,8 @@
 tensors, whether the step is applied: all gradients finite, and a finite
 learning rate (a NaN learning rate would write NaN into every weight).
 TensorFlow's step (`kmp.core.step.tensorflow`) and the pure step of JAX
-(`kmp.core.step.stateless`) use it; torch's (`kmp.core.step.torch`) does the same
-with multi-tensor ops. Under `torch.distributed` the flags are agreed
+(`kmp.core.step.stateless`) use it; torch's (`kmp.core.step.torch`) does
+the same with multi-tensor ops. Under `torch.distributed` the flags are agreed
 across processes where asked (`kmp.core.torch_distributed`).
 """
 
