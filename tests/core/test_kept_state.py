@@ -145,7 +145,12 @@ def test_a_skipped_step_restores_what_its_forward_pass_wrote(mode):
     rows = overflow.WITHOUT_OVERFLOW
     reference, _, _ = _run(overflow.X[rows], overflow.Y[rows], mode, False)
     del states[after]
-    assert states == reference
+    if backends.JAX and mode == "jit":
+        # Two programs (with and without the select): XLA may round the
+        # forward pass of each otherwise, by an ulp (docs/guarantees.md).
+        overflow.assert_within_ulps(states, reference, model.weights)
+    else:
+        assert states == reference
     assert states[1] != states[0]
 
 
