@@ -50,7 +50,7 @@ import tensorflow as tf  # noqa: E402
 from report import MODEL_NAMES  # noqa: E402
 
 import kmp  # noqa: E402
-from kmp.tools import timing  # noqa: E402
+from kmp.tools.bench import timing  # noqa: E402
 
 # The sizes measured by default, and the tiny ones `--quick` uses to check
 # that a script runs at all. `batch` is the batch size of a training step.

@@ -54,7 +54,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kmp  # noqa: E402
-from kmp.tools import timing  # noqa: E402
+from kmp.tools.bench import timing  # noqa: E402
 
 SIZES = {
     "mlp": {"inputs": 784, "units": 4096, "layers": 2, "batch": 256},

@@ -36,13 +36,13 @@ import keras  # noqa: F401 - for the example.
 from kmp.core import backend
 
 if backend.is_tensorflow():
-    from kmp.tools.tf_gradients import SHAPE_ERRORS
-    from kmp.tools.tf_gradients import gradient_function
+    from kmp.tools.audit.tensorflow import SHAPE_ERRORS
+    from kmp.tools.audit.tensorflow import gradient_function
 elif backend.is_jax():
-    from kmp.tools.jax_gradients import SHAPE_ERRORS
-    from kmp.tools.jax_gradients import gradient_function
+    from kmp.tools.audit.jax import SHAPE_ERRORS
+    from kmp.tools.audit.jax import gradient_function
 else:
-    from kmp.tools.torch_gradients import SHAPE_ERRORS
-    from kmp.tools.torch_gradients import gradient_function
+    from kmp.tools.audit.torch import SHAPE_ERRORS
+    from kmp.tools.audit.torch import gradient_function
 
 __all__ = ["SHAPE_ERRORS", "gradient_function"]

@@ -18,8 +18,8 @@ import keras
 import numpy as np
 
 from kmp.core.checks import describe
-from kmp.tools.audit_probe import output_names
-from kmp.tools.gradients import SHAPE_ERRORS
+from kmp.tools.audit.backend import SHAPE_ERRORS
+from kmp.tools.audit.probe import output_names
 
 
 def resolve_loss(loss, model, needed: bool) -> Optional[Callable]:

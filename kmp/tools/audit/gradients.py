@@ -20,9 +20,9 @@ from typing import Tuple
 import keras
 import numpy as np
 
-from kmp.tools import audit_data
-from kmp.tools import audit_probe
-from kmp.tools import gradients
+from kmp.tools.audit import backend as gradients
+from kmp.tools.audit import data as audit_data
+from kmp.tools.audit import probe as audit_probe
 
 
 class Gradients:

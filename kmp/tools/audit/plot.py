@@ -10,7 +10,7 @@ Example (`report` from `kmp.audit`):
     report.plot("ranges.png")
 """
 
-from kmp.tools.audit_report import DTYPE_RANGES
+from kmp.tools.audit.report import DTYPE_RANGES
 
 
 def plot(report, path) -> None:

@@ -198,7 +198,7 @@ class AuditReport:
                 f"directory {directory!r} does not exist. Create it first "
                 "(os.makedirs), or pass a path in an existing directory."
             )
-        from kmp.tools.audit_plot import plot  # It imports this module.
+        from kmp.tools.audit.plot import plot  # It imports this module.
 
         plot(self, path)
 

@@ -43,14 +43,14 @@ from kmp.core import loss_scale as _rule
 from kmp.core.checks import checked_float
 from kmp.core.policy import PolicyLike
 from kmp.core.policy import as_policy as _to_policy
-from kmp.tools import audit_data
-from kmp.tools import audit_gradients
-from kmp.tools import audit_probe
-from kmp.tools import audit_stats
 from kmp.tools import models
-from kmp.tools.audit_report import AuditReport
-from kmp.tools.audit_report import LayerAudit
-from kmp.tools.convert import convert
+from kmp.tools.audit import data as audit_data
+from kmp.tools.audit import gradients as audit_gradients
+from kmp.tools.audit import probe as audit_probe
+from kmp.tools.audit import stats as audit_stats
+from kmp.tools.audit.report import AuditReport
+from kmp.tools.audit.report import LayerAudit
+from kmp.tools.convert.model import convert
 
 
 def audit(

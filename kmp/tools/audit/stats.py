@@ -18,9 +18,9 @@ import numpy as np
 
 from kmp.core import loss_scale as _rule
 from kmp.tools import models
-from kmp.tools.audit_report import DTYPE_RANGES
-from kmp.tools.audit_report import GRADIENT_HEADROOM
-from kmp.tools.audit_report import LayerAudit
+from kmp.tools.audit.report import DTYPE_RANGES
+from kmp.tools.audit.report import GRADIENT_HEADROOM
+from kmp.tools.audit.report import LayerAudit
 
 MAX_SUGGESTED_SCALE = 2.0**24
 # Default thresholds on a layer's local relative error, by compute dtype:

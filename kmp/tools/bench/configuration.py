@@ -21,20 +21,20 @@ import numpy as np
 
 import kmp
 from kmp.core import backend
-from kmp.tools import bench_models
-from kmp.tools.bench_report import LOOP_WORDS
+from kmp.tools.bench import models as bench_models
+from kmp.tools.bench.report import LOOP_WORDS
 
 IMPLEMENTATIONS = ("kmp", "native", "unscaled", "torch", "torch_unscaled")
 _MODULES = {
-    "tensorflow": "tf_bench",
-    "jax": "jax_bench",
-    "torch": "torch_bench",
+    "tensorflow": "kmp.tools.bench.tensorflow",
+    "jax": "kmp.tools.bench.jax",
+    "torch": "kmp.tools.bench.torch",
 }
 
 
 def backend_module():
     """The module that makes steps on Keras's current backend."""
-    return importlib.import_module(f"kmp.tools.{_MODULES[backend.name()]}")
+    return importlib.import_module(_MODULES[backend.name()])
 
 
 def needs_loss_scaling(policy: str) -> bool:

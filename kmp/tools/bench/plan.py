@@ -13,7 +13,7 @@ import gc
 import time
 
 from kmp.core import backend
-from kmp.tools.bench_configuration import needs_loss_scaling
+from kmp.tools.bench.configuration import needs_loss_scaling
 
 # Timed steps per configuration from a budget: at least one per round, at
 # most this many.

@@ -4,7 +4,7 @@ Everything here reads the result dicts `kmp.tools.bench.run_benchmark`
 returns (or their JSON), so a saved run can be reported again:
 
     import json
-    from kmp.tools import bench_report
+    from kmp.tools.bench import report as bench_report
 
     with open("results.json") as file:
         results = json.load(file)["results"]

@@ -39,16 +39,16 @@ import numpy as np
 
 from kmp.core import backend
 from kmp.core.policy import POLICY_NAMES
-from kmp.tools import bench_models
-from kmp.tools import bench_plan
-from kmp.tools import timing
-from kmp.tools.bench_configuration import Configuration
-from kmp.tools.bench_configuration import backend_module
-from kmp.tools.bench_configuration import needs_loss_scaling
-from kmp.tools.bench_plan import MAX_BUDGET_STEPS
-from kmp.tools.bench_plan import plan_configurations
-from kmp.tools.bench_plan import plan_steps
-from kmp.tools.bench_report import LOOPS
+from kmp.tools.bench import models as bench_models
+from kmp.tools.bench import plan as bench_plan
+from kmp.tools.bench import timing
+from kmp.tools.bench.configuration import Configuration
+from kmp.tools.bench.configuration import backend_module
+from kmp.tools.bench.configuration import needs_loss_scaling
+from kmp.tools.bench.plan import MAX_BUDGET_STEPS
+from kmp.tools.bench.plan import plan_configurations
+from kmp.tools.bench.plan import plan_steps
+from kmp.tools.bench.report import LOOPS
 
 DEFAULT_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 DEFAULT_MODEL = "digits"

@@ -33,12 +33,12 @@ import keras
 from kmp.core.policy import PolicyLike
 from kmp.core.policy import as_policy as _to_policy
 from kmp.core.policy import policy_scope
-from kmp.tools import convert_optimizer
 from kmp.tools import models
-from kmp.tools import rebuild
-from kmp.tools.keep_float32 import KeepFloat32
-from kmp.tools.keep_float32 import default_float32_layers
-from kmp.tools.keep_float32 import selected_layers
+from kmp.tools.convert import optimizer as convert_optimizer
+from kmp.tools.convert import rebuild
+from kmp.tools.convert.keep_float32 import KeepFloat32
+from kmp.tools.convert.keep_float32 import default_float32_layers
+from kmp.tools.convert.keep_float32 import selected_layers
 
 
 def convert(

@@ -32,9 +32,9 @@ from keras.src.models.functional import functional_like_constructor
 
 from kmp.core.policy import Policy
 from kmp.core.policy import policy_scope
-from kmp.tools import config_policies
-from kmp.tools import layer_pairs
 from kmp.tools import models
+from kmp.tools.convert import config_policies
+from kmp.tools.convert import layer_pairs
 
 _FLOAT32 = "float32"
 

@@ -43,7 +43,7 @@ import keras
 from kmp.core import backend
 from kmp.core.optimizer import LossScaleOptimizer
 from kmp.core.optimizer_state import read_value
-from kmp.tools import monitor_output as output
+from kmp.tools.monitor import output
 
 logger = logging.getLogger("kmp")
 

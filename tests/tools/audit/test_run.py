@@ -9,7 +9,7 @@ import pytest
 import kmp
 from kmp.tools.audit import AuditReport
 from kmp.tools.audit import audit
-from kmp.tools.audit_stats import suggested_scale
+from kmp.tools.audit.stats import suggested_scale
 from kmp.tools.convert import convert
 
 FLOAT16_MAX = 65504.0
@@ -453,7 +453,7 @@ def test_compiled_loss_per_output_asks_for_loss(compiled_loss):
 def test_plot_into_a_missing_directory_fails_before_drawing(
     tmp_path, monkeypatch
 ):
-    from kmp.tools import audit_plot
+    from kmp.tools.audit import plot as audit_plot
 
     drawn = []
     monkeypatch.setattr(audit_plot, "plot", lambda *args: drawn.append(args))

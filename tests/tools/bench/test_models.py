@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 
-from kmp.tools import bench_models
+from kmp.tools.bench import models as bench_models
 
 
 @pytest.mark.parametrize("name", bench_models.MODELS)

@@ -9,8 +9,8 @@ planning on made-up step times.
 import keras
 import pytest
 
-from kmp.tools import bench
-from kmp.tools import bench_report
+from kmp.tools.bench import report as bench_report
+from kmp.tools.bench import run as bench
 from tests.support import backends
 
 TINY = {"batch_size": 8, "units": 4, "verbose": False}

@@ -4,7 +4,7 @@ import gc
 
 import pytest
 
-from kmp.tools import timing
+from kmp.tools.bench import timing
 
 
 class _Clock:

@@ -10,9 +10,9 @@ backends.require("torch")
 pytestmark = pytest.mark.torch
 
 from kmp.tools import bench  # noqa: E402
-from kmp.tools import bench_models  # noqa: E402
-from kmp.tools import torch_bench  # noqa: E402
-from kmp.tools.bench_configuration import Configuration  # noqa: E402
+from kmp.tools.bench import models as bench_models  # noqa: E402
+from kmp.tools.bench import torch as torch_bench  # noqa: E402
+from kmp.tools.bench.configuration import Configuration  # noqa: E402
 
 
 def _configuration(policy, implementation):

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 
-from kmp.tools import config_policies
+from kmp.tools.convert import config_policies
 from kmp.tools.convert import convert
 from kmp.tools.models import layer_policy
 from kmp.tools.summary import summary
