@@ -10,11 +10,11 @@ Example (`report` from `kmp.audit`):
     report.plot("ranges.png")
 """
 
-from kmp.tools.audit.report import DTYPE_RANGES
 
-
-def plot(report, path) -> None:
-    """Draws `report` (an `AuditReport`) into the image file `path`."""
+def plot(report, path, dtype_ranges) -> None:
+    """Draws `report` (an `AuditReport`) into the image file `path`, over
+    the windows of `dtype_ranges` (`kmp.tools.audit.report.DTYPE_RANGES`:
+    per dtype, smallest subnormal, smallest normal and largest finite)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -31,9 +31,9 @@ def plot(report, path) -> None:
         ("float16", "tab:blue", 0.18),
     )
     for dtype, color, alpha in windows:
-        low, _, high = DTYPE_RANGES[dtype]
+        low, _, high = dtype_ranges[dtype]
         axes.axvspan(low, high, color=color, alpha=alpha, label=dtype)
-    values = [DTYPE_RANGES["float16"][0], DTYPE_RANGES["float16"][2]]
+    values = [dtype_ranges["float16"][0], dtype_ranges["float16"][2]]
     for index, row in enumerate(rows):
         position = len(rows) - 1 - index
         if row.min_abs is not None:
@@ -71,7 +71,7 @@ def plot(report, path) -> None:
         "representable windows"
     )
     axes.axvline(
-        DTYPE_RANGES["float16"][1],
+        dtype_ranges["float16"][1],
         color="tab:blue",
         linestyle=":",
         label="float16 smallest normal",

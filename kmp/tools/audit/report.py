@@ -20,6 +20,7 @@ from typing import Optional
 from typing import Tuple
 
 from kmp.tools import models
+from kmp.tools.audit import plot as audit_plot
 from kmp.tools.tables import text_table
 
 # The magnitudes each compute dtype represents: (smallest subnormal, smallest
@@ -198,9 +199,7 @@ class AuditReport:
                 f"directory {directory!r} does not exist. Create it first "
                 "(os.makedirs), or pass a path in an existing directory."
             )
-        from kmp.tools.audit.plot import plot  # It imports this module.
-
-        plot(self, path)
+        audit_plot.plot(self, path, DTYPE_RANGES)
 
 
 # --- Text ---------------------------------------------------------------------
