@@ -2,10 +2,10 @@
 
 The tools (`kmp.audit`) need the gradient of a loss with respect to values
 in the middle of a model, not only to its weights. That is the one thing
-written per backend, in a module named after it: `tf_gradients`
-(`tf.GradientTape`), `jax_gradients` (`jax.value_and_grad` over the
-variables' values, as `stateless_call` takes them, compiled once) and
-`torch_gradients` (`torch.autograd.grad`); this module picks one at import.
+written per backend, in a module named after it: `tensorflow`
+(`tf.GradientTape`), `jax` (`jax.value_and_grad` over the variables'
+values, as `stateless_call` takes them, compiled once) and `torch`
+(`torch.autograd.grad`), beside this module, which picks one at import.
 
 `gradient_function(fn, variables)` returns `run(tensors, *inputs)`, which
 calls `fn(tensors, *inputs)` -> `(loss, aux)` (reading `variables` as Keras

@@ -5,8 +5,8 @@ loss (the mean of `loss_fn` per output, summed over the outputs) with
 respect to every floating output of every call of the probe's float32
 model and, for the first call of each layer, to its trainable weights.
 A zero tensor added to each call output on the way (a tap, see
-`kmp.tools.audit_probe.Probe`) gives the gradient at that output on every
-backend; `kmp.tools.gradients` differentiates (`tf.GradientTape`,
+`kmp.tools.audit.probe.Probe`) gives the gradient at that output on every
+backend; `kmp.tools.audit.backend` differentiates (`tf.GradientTape`,
 `jax.value_and_grad`, `torch.autograd.grad`).
 
 On JAX, where the gradient of a value the loss does not depend on is zero

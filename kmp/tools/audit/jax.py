@@ -5,7 +5,7 @@ passed in and mapped onto the variables with a Keras `StatelessScope`, as
 `stateless_call` does. The function is compiled once (`jax.jit`) and
 reused for inputs of the same shapes: run eagerly, JAX would compile each
 op of the forward and backward pass on its own. `gradient_function` is
-what `kmp.tools.gradients` picks on this backend.
+what `kmp.tools.audit.backend` picks on this backend.
 """
 
 import jax
@@ -17,7 +17,7 @@ SHAPE_ERRORS = (ValueError, TypeError)
 
 
 def gradient_function(fn, variables):
-    """See `kmp.tools.gradients.gradient_function`. JAX gives zeros (never
+    """See `kmp.tools.audit.backend.gradient_function`. JAX gives zeros (never
     None) where the loss does not depend on a value; `variables` must hold
     each variable once."""
     variables = list(variables)

@@ -5,7 +5,7 @@ compute dtype, the range of its float32 activations, the share of
 activations and (scaled) gradients that underflow in its compute dtype, and
 its relative error against float32, in the model and alone; then the layers
 to keep in float32 and a first loss scale, with why. `AuditReport.plot()`
-draws the ranges (`kmp.tools.audit_plot`).
+draws the ranges (`kmp.tools.audit.plot`).
 
 >>> DTYPE_RANGES["float16"][2]
 65504.0

@@ -23,11 +23,10 @@ those whose local error is large; for a `keras.ops` call, the layers feeding
 it) and a first loss scale: the largest power of two that keeps the largest
 gradient 16 times below float16's maximum.
 
-The pieces: `kmp.tools.audit_data` checks `x`, `y` and the loss,
-`kmp.tools.audit_probe` runs the models, `kmp.tools.audit_gradients` takes
-the gradients (through `kmp.tools.gradients`, the one part written per
-backend), `kmp.tools.audit_stats` adds up the numbers and
-`kmp.tools.audit_report` holds the result. `kmp audit MODEL.keras --data
+The pieces, in `kmp.tools.audit`: `data` checks `x`, `y` and the loss,
+`probe` runs the models, `gradients` takes the gradients (through
+`backend`, the one part written per backend), `stats` adds up the numbers
+and `report` holds the result. `kmp audit MODEL.keras --data
 DATA.npz` runs it on saved files. It works alike on Keras's TensorFlow, JAX
 and torch backends.
 """

@@ -1,7 +1,7 @@
 """Gradients on TensorFlow, for the tools: `tf.GradientTape`.
 
-`gradient_function` is what `kmp.tools.gradients` picks on this backend
-(`jax_gradients` and `torch_gradients` hold the others).
+`gradient_function` is what `kmp.tools.audit.backend` picks on this backend
+(`jax` and `torch` beside it hold the others).
 """
 
 from kmp.core import backend
@@ -13,7 +13,7 @@ SHAPE_ERRORS = (ValueError, tf.errors.InvalidArgumentError)
 
 
 def gradient_function(fn, variables):
-    """See `kmp.tools.gradients.gradient_function`. Gradients are dense (a
+    """See `kmp.tools.audit.backend.gradient_function`. Gradients are dense (a
     `tf.IndexedSlices`, from an embedding, is converted); None where the
     loss does not depend on the value."""
     variables = list(variables)

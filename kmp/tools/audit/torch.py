@@ -1,6 +1,6 @@
 """Gradients on torch, for the tools: `torch.autograd.grad`.
 
-`gradient_function` is what `kmp.tools.gradients` picks on this backend.
+`gradient_function` is what `kmp.tools.audit.backend` picks on this backend.
 """
 
 import keras
@@ -12,7 +12,7 @@ SHAPE_ERRORS = (ValueError, RuntimeError)
 
 
 def gradient_function(fn, variables):
-    """See `kmp.tools.gradients.gradient_function`. A gradient is None
+    """See `kmp.tools.audit.backend.gradient_function`. A gradient is None
     where the loss does not depend on the value."""
     variables = list(variables)
 

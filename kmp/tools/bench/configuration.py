@@ -1,15 +1,15 @@
 """One configuration of `kmp bench`: a policy, a loop and who scales the loss.
 
 A configuration owns its model and optimizer and the record of what its
-steps did; the backend's module (`tf_bench`, `jax_bench`, `torch_bench`)
-makes the step itself. Implementations:
+steps did; the backend's module (`kmp.tools.bench.tensorflow`, `jax`,
+`torch`) makes the step itself. Implementations:
 
 * `"kmp"`: `kmp.LossScaleOptimizer(Adam)` where the policy computes in
   float16, plain Adam otherwise;
 * `"native"`: Keras 3's `keras.optimizers.LossScaleOptimizer(Adam)`;
 * `"unscaled"`: plain Adam under a float16 policy, no loss scaling (the
   reference for what loss scaling costs);
-* `"torch"`: plain PyTorch AMP on the same network (`torch_bench`);
+* `"torch"`: plain PyTorch AMP on the same network (`bench.torch`);
   `"torch_unscaled"`: the same without `GradScaler`.
 """
 

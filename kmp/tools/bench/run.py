@@ -3,10 +3,10 @@
 The same model trains under every requested policy, with `model.fit`'s
 train step and with the custom loop of Keras's backend: a `tf.function`
 around a `tf.GradientTape` on TensorFlow, the jitted `stateless_apply`
-loop on JAX, the `backward()` loop on torch (`tf_bench`, `jax_bench`,
-`torch_bench`). By default the model is the digits classifier (Dense ->
+loop on JAX, the `backward()` loop on torch (`kmp.tools.bench.tensorflow`,
+`jax`, `torch`). By default the model is the digits classifier (Dense ->
 Dense -> Dense logits -> a float32 softmax on scikit-learn's digits);
-`mlp`, `cnn` and `transformer` are sized for a GPU (`bench_models`).
+`mlp`, `cnn` and `transformer` are sized for a GPU (`bench.models`).
 
 Policies that compute in float16 use `kmp.LossScaleOptimizer`; the others
 the plain optimizer. With `native=True` the loss-scaled configurations run
@@ -16,7 +16,7 @@ without loss scaling, so what loss scaling costs shows too. On torch plain
 PyTorch AMP (`torch.autocast`, `torch.amp.GradScaler`) trains the same
 network beside them (`torch_amp=True`).
 
-Steps are timed by `kmp.tools.timing` (the toolkit `benchmarks/` uses too):
+Steps are timed by `bench.timing` (the toolkit `benchmarks/` uses too):
 every configuration is warmed up first (tracing and the first steps are not
 timed), then the timed steps run in interleaved rounds whose order rotates,
 each step timed on its own up to reading its loss; the tables show medians
@@ -270,7 +270,7 @@ def run_benchmark(
     Builds every configuration (`plan_configurations`), warms each up with
     its first call and up to `warmup_steps` more untimed steps, then runs
     the timed steps of each in interleaved rounds, each round starting each
-    configuration with one untimed step (`kmp.tools.timing`). With `steps`
+    configuration with one untimed step (`bench.timing`). With `steps`
     that is `steps` timed steps in `rounds` rounds and exactly
     `warmup_steps` warm-up steps; without, the whole run fits in about
     `budget_seconds`: the warm-up stops early if it would take more than a
@@ -284,7 +284,7 @@ def run_benchmark(
         steps: Timed training steps per configuration; None: from the
             budget.
         batch_size: Examples per step (None: the model's).
-        units: The model's width (None: the model's; see `bench_models`).
+        units: The model's width (None: the model's; see `bench.models`).
         rounds: Interleaved rounds (the most rounds without `steps`); at
             most `steps`.
         native: Also run the loss-scaled policies with

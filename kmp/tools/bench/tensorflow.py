@@ -8,7 +8,7 @@ unscales). The `fit` rows time the train function `fit` runs for every
 batch (`model.make_train_function()`), fed by a distributed `tf.data`
 iterator as in `fit`. Neither uses XLA (`jit_compile=False`), so both
 compile alike on every machine. float16 configurations turn TensorFlow's
-op fusion off on CPUs (`FLOAT16_FUSION_NOTE` in `bench_report`).
+op fusion off on CPUs (`FLOAT16_FUSION_NOTE` in `bench.report`).
 """
 
 import contextlib

@@ -1,4 +1,4 @@
-"""Per-layer policies in a model's config, for `kmp.tools.rebuild`.
+"""Per-layer policies in a model's config, for `kmp.tools.convert.rebuild`.
 
 `with_dtype(config, dtype)` replaces every floating policy of a config
 (the model's `"dtype"` argument and its layers', at any depth; not an

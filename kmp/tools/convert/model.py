@@ -20,7 +20,7 @@ float32.
 
 A Functional subclass that builds its graph in its constructor (a keras-hub
 backbone or task such as `GPT2CausalLM`) is rebuilt from its config instead,
-as its own class (`kmp.tools.rebuild`).
+as its own class (`kmp.tools.convert.rebuild`).
 
 `BatchNormalization` is *not* kept in float32: under a mixed policy its
 variables are float32 already and Keras computes its statistics and the

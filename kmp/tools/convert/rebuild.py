@@ -11,8 +11,8 @@ layers to keep in float32 (the way keras-hub stores per-layer policies of
 quantized models, so the converted model saves and loads with them). The
 weights are then copied, variable by variable.
 
-Not every layer can be kept in float32 this way (`kmp.tools.config_policies`
-says which): only layers with weights and no layers inside them (a `Dense`,
+Not every layer can be kept in float32 this way (`config_policies` says
+which): only layers with weights and no layers inside them (a `Dense`,
 a `LayerNormalization`, an `Embedding`, not a transformer block), used
 inside no other layer, and named by the model rather than by Keras
 ("dense_3"), which names them anew in the copy. Where a layer

@@ -1,4 +1,4 @@
-"""Tests for kmp.tools.jax_bench: `kmp bench`'s steps on JAX (tiny)."""
+"""Tests for kmp.tools.bench.jax: `kmp bench`'s steps on JAX (tiny)."""
 
 import pytest
 

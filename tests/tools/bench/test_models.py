@@ -1,4 +1,4 @@
-"""Tests for kmp.tools.bench_models: the models `kmp bench` trains, their
+"""Tests for kmp.tools.bench.models: the models `kmp bench` trains, their
 sizes, data and batches (tiny sizes; on every backend)."""
 
 import keras

@@ -1,4 +1,4 @@
-"""Tests for kmp.tools.bench and kmp.tools.bench_report, at a tiny size, on
+"""Tests for kmp.tools.bench.run and kmp.tools.bench.report, at a tiny size, on
 every backend.
 
 Nothing is timed here: the reports are checked on made-up results, the

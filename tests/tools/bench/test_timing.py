@@ -1,4 +1,5 @@
-"""Tests for kmp.tools.timing, on a fake clock: what is timed, in what order."""
+"""Tests for kmp.tools.bench.timing, on a fake clock: what is timed, in
+what order."""
 
 import gc
 

@@ -1,4 +1,4 @@
-"""Tests for kmp.tools.torch_bench: `kmp bench`'s steps on torch, and plain
+"""Tests for kmp.tools.bench.torch: `kmp bench`'s steps on torch, and plain
 PyTorch AMP on the same network (tiny)."""
 
 import keras

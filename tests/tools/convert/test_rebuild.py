@@ -1,6 +1,7 @@
-"""Tests for kmp.tools.rebuild (and config_policies, layer_pairs): Functional
-subclasses that build their graph in their constructor, as keras-hub's do,
-converted through `from_config` with per-layer policies by path."""
+"""Tests for kmp.tools.convert.rebuild (and config_policies, layer_pairs):
+Functional subclasses that build their graph in their constructor, as
+keras-hub's do, converted through `from_config` with per-layer policies by
+path."""
 
 import keras
 import numpy as np
