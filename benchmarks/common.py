@@ -5,7 +5,7 @@ Every benchmark compares configurations of one model inside one process:
 * `build_config` makes a model under a policy, an optimizer and one training
   step (a `tf.function` call: a custom loop, or the train function `fit` runs
   per batch), returning a `Config`.
-* `measure` times them with `kmp.tools.timing`, the toolkit `kmp bench`
+* `measure` times them with `kmp.tools.bench.timing`, the toolkit `kmp bench`
   uses too: it traces and warms every configuration up first (tracing and
   the slow steps right after it are never timed), then runs rounds: in each
   round every configuration runs a few steps, one after another, in an
@@ -50,7 +50,7 @@ import tensorflow as tf  # noqa: E402
 from report import MODEL_NAMES  # noqa: E402
 
 import kmp  # noqa: E402
-from kmp.tools import timing  # noqa: E402
+from kmp.tools.bench import timing  # noqa: E402
 
 # The sizes measured by default, and the tiny ones `--quick` uses to check
 # that a script runs at all. `batch` is the batch size of a training step.
@@ -494,7 +494,7 @@ def build_config(
 
 # --- Timing -------------------------------------------------------------------
 
-# The toolkit `kmp bench` uses too (see kmp/tools/timing.py).
+# The toolkit `kmp bench` uses too (see kmp/tools/bench/timing.py).
 Timing = timing.Timing
 Ratio = timing.Ratio
 ratio = timing.ratio
@@ -503,7 +503,7 @@ ratio = timing.ratio
 def warm_up(step, minimum: int, maximum: int, window: int = 5):
     """Traces `step` and runs it until its step time settles.
 
-    `kmp.tools.timing.warm_up`: after the first call, at least `minimum`
+    `kmp.tools.bench.timing.warm_up`: after the first call, at least `minimum`
     and at most `maximum` steps, until the median of the last `window` is
     within 10% of the `window` before (steps right after tracing can be
     many times slower than later ones, see README.md).
@@ -517,7 +517,7 @@ def warm_up(step, minimum: int, maximum: int, window: int = 5):
 def measure(configs: Sequence[Config], args) -> Dict[str, Timing]:
     """Warms every configuration up, then times them interleaved.
 
-    `kmp.tools.timing.measure` with the command line's settings: in round
+    `kmp.tools.bench.timing.measure` with the command line's settings: in round
     `r` the configurations run in the order rotated by `r`; each runs one
     untimed step and then `args.steps` timed steps. Also counts the steps
     each configuration's optimizer skipped (`Timing.skipped`).

@@ -18,7 +18,7 @@ Keras documents (`jax.value_and_grad` over `stateless_call`, then
 `stateless_unscale_gradients`, Keras's through gradients of the scaled loss,
 which its `stateless_apply` unscales). Overhead = step time over Adam
 alone's, minus one, measured round by round in one process
-(`kmp.tools.timing`); beside it the ratio of the fastest timed calls and
+(`kmp.tools.bench.timing`); beside it the ratio of the fastest timed calls and
 of the process's CPU time per step, which a busy machine disturbs less.
 Then the bfloat16 speed-up: float32 over mixed_bfloat16 step time, Adam
 alone, same models.
@@ -54,7 +54,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kmp  # noqa: E402
-from kmp.tools import timing  # noqa: E402
+from kmp.tools.bench import timing  # noqa: E402
 
 SIZES = {
     "mlp": {"inputs": 784, "units": 4096, "layers": 2, "batch": 256},

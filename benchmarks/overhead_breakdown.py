@@ -38,7 +38,7 @@ import kmp  # noqa: E402
 from kmp.core import scaling  # noqa: E402
 from kmp.core import tf_apply  # noqa: E402
 from kmp.core import tf_steps  # noqa: E402
-from kmp.tools import timing  # noqa: E402
+from kmp.tools.bench import timing  # noqa: E402
 
 VARIANTS = {
     "unscale": "divide the gradients by the scale, then apply",

@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
     except argparse.ArgumentTypeError as error:
         parser.error(f"argument --policies: {error}")
     from kmp.tools import bench
-    from kmp.tools import bench_report
+    from kmp.tools.bench import report as bench_report
 
     problem = bench.unsupported(args.model, args.policies)
     if problem:

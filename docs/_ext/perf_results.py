@@ -177,7 +177,7 @@ def _parts(document: Dict):
 
 
 def _kmp_bench_markdown(document: Dict) -> str:
-    from kmp.tools import bench_report
+    from kmp.tools.bench import report as bench_report
 
     machine = document["machine"]
     where = ", ".join(f"{key} {value}" for key, value in machine.items())
@@ -194,7 +194,7 @@ def _kmp_bench_markdown(document: Dict) -> str:
 def figures(document: Dict) -> List:
     """One matplotlib Figure per table (kmp bench: its loss curves)."""
     if is_kmp_bench(document):
-        from kmp.tools import bench_report
+        from kmp.tools.bench import report as bench_report
 
         return [bench_report.write_plot(document["results"], io.BytesIO())]
     return [_bar_figure(table) for table in document["tables"]]

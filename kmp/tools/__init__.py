@@ -1,20 +1,25 @@
 """kmp's tools, built on `kmp.core` (which never imports them).
 
-- `convert`: a model under another policy, same weights (`keep_float32`,
-  `rebuild` for keras-hub style models);
-- `summary`: each layer's dtypes and the mistakes visible in the structure;
-- `audit`: ranges, underflow and error per layer on real data
-  (`audit_data`, `audit_probe`, `audit_gradients`, `audit_stats`,
-  `audit_report`, `audit_plot`), with `gradients`, the one part written per
-  backend (`tf_gradients`, `jax_gradients`, `torch_gradients`);
-- `doctor`: the machine and the policy that suits it;
-- `bench`: policies timed and compared on one model, on every backend
-  (`bench_models`, `bench_plan`, `bench_configuration`, `bench_report`;
-  the steps of each backend in `tf_bench`, `jax_bench`, `torch_bench`),
+One package per tool, its `__init__` naming what it exports and its
+modules; a part written per backend is named after it (`tensorflow.py`,
+`jax.py`, `torch.py`) in its tool's package:
+
+- `convert/`: `kmp.convert`, a model under another policy, same weights
+  (`model`, `optimizer`, `keep_float32`, and `rebuild` with
+  `config_policies` and `layer_pairs` for keras-hub style models);
+- `audit/`: `kmp.audit`, ranges, underflow and error per layer on real
+  data (`run`, `data`, `probe`, `gradients`, `stats`, `report`, `plot`;
+  `backend` picks the gradients' per-backend part);
+- `bench/`: `kmp bench`, policies timed and compared on one model (`run`,
+  `models`, `plan`, `configuration`, `report`; the steps per backend),
   with `timing`, the toolkit `benchmarks/` uses too;
-- `monitor`: the loss scale in `fit`'s logs (`monitor_output`: TensorBoard
-  and CSV); `testing`: fault injection;
-- shared: `models` (walking a model's graph), `tables` (text tables).
+- `monitor/`: `kmp.callbacks.LossScaleMonitor`, the loss scale in `fit`'s
+  logs (`callback`; `output`: TensorBoard and CSV);
+- modules: `summary` (each layer's dtypes and the mistakes visible in the
+  structure), `doctor` (the machine and the policy that suits it),
+  `testing` (fault injection, `kmp.testing`);
+- shared by the tools: `models` (walking a model's graph), `tables` (text
+  tables).
 
 The command line is the separate package `kmp_cli`.
 """

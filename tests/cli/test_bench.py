@@ -20,9 +20,9 @@ import keras
 import pytest
 
 import kmp_cli.bench
-from kmp.tools import bench
-from kmp.tools import bench_models
-from kmp.tools import bench_report
+from kmp.tools.bench import models as bench_models
+from kmp.tools.bench import report as bench_report
+from kmp.tools.bench import run as bench
 from kmp_cli import main
 from tests.support import backends
 

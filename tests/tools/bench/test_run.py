@@ -1,0 +1,487 @@
+"""Tests for kmp.tools.bench.run and kmp.tools.bench.report, at a tiny size, on
+every backend.
+
+Nothing is timed here: the reports are checked on made-up results, the
+benchmark on runs too short for its numbers to mean anything, the step
+planning on made-up step times.
+"""
+
+import keras
+import pytest
+
+from kmp.tools.bench import report as bench_report
+from kmp.tools.bench import run as bench
+from tests.support import backends
+
+TINY = {"batch_size": 8, "units": 4, "verbose": False}
+
+
+def _tables(text):
+    """The Markdown tables in `text`: a list of (header, rows) pairs."""
+    tables, current = [], None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            current = None
+            continue
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if current is None:
+            current = (cells, [])
+            tables.append(current)
+        elif not set(line) <= set("|-"):
+            current[1].append(dict(zip(current[0], cells)))
+    return tables
+
+
+def test_run_benchmark_without_float32():
+    results = bench.run_benchmark(
+        ["mixed_float16"],
+        ["custom"],
+        steps=2,
+        rounds=1,
+        warmup_steps=1,
+        torch_amp=False,
+        **TINY,
+    )
+    assert [(r["policy"], r["implementation"]) for r in results] == [
+        ("mixed_float16", "kmp"),
+        ("mixed_float16", "native"),
+    ]
+    assert results[0]["speedup_vs_float32"] is None
+    assert results[0]["backend"] == keras.backend.backend()
+    (_, kmp_rows), _ = _tables(bench_report.format_table(results))
+    assert kmp_rows[0]["speed-up vs float32"] == "-"
+    assert "float32 was not benchmarked" in bench_report.summarize(results)
+
+
+def test_every_configuration_trains_on_the_same_batches():
+    results = bench.run_benchmark(
+        ["float32"],
+        ["fit", "custom"],
+        steps=3,
+        rounds=1,
+        warmup_steps=1,
+        native=False,
+        torch_amp=False,
+        **TINY,
+    )
+    fit, custom = results
+    assert len(fit["losses"]) == len(custom["losses"]) == 1 + 1 + 1 + 3
+    assert fit["losses"] == pytest.approx(custom["losses"], rel=1e-3)
+    assert fit["steps"] == custom["steps"] == 3
+
+
+def test_without_steps_the_budget_decides_them():
+    results = bench.run_benchmark(
+        ["float32", "mixed_float16"],
+        ["custom"],
+        budget_seconds=0.5,
+        rounds=3,
+        warmup_steps=2,
+        native=False,
+        torch_amp=False,
+        **TINY,
+    )
+    for r in results:
+        assert 1 <= r["rounds"] <= 3
+        assert r["rounds"] <= r["steps"] <= bench.MAX_BUDGET_STEPS
+        assert 1 <= r["warmup_steps"] <= 2
+        # The first call, the warm-up, a step per round, the timed steps.
+        expected = 1 + r["warmup_steps"] + r["rounds"] + r["steps"]
+        assert len(r["losses"]) == expected
+    assert len({r["steps"] for r in results}) == 1
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn", "transformer"])
+def test_models_sized_for_a_gpu_run_tiny(model):
+    # Keras's attention has no float16 on JAX's CPU backend (see below).
+    policy = "mixed_float16"
+    if model == "transformer" and backends.JAX:
+        policy = "mixed_bfloat16"
+    results = bench.run_benchmark(
+        [policy],
+        ["fit", "custom"],
+        steps=1,
+        rounds=1,
+        warmup_steps=1,
+        native=False,
+        torch_amp=False,
+        model=model,
+        size="tiny",
+        verbose=False,
+    )
+    for r in results:
+        assert (r["model"], r["size"]) == (model, "tiny")
+        assert r["loss_scaling"] == (policy == "mixed_float16")
+        assert 0.0 <= r["test_accuracy"] <= 1.0
+    # Same weights, same first batch: the same first loss in both loops.
+    fit, custom = results
+    assert fit["losses"][0] == pytest.approx(custom["losses"][0], rel=1e-2)
+
+
+@pytest.mark.jax
+def test_transformer_in_float16_on_jax_cpu_is_refused_up_front():
+    if bench.backend_module().device() != "cpu":
+        pytest.skip("JAX runs on a GPU here")
+    with pytest.raises(ValueError, match="needs a GPU"):
+        bench.run_benchmark(
+            ["float32", "mixed_float16"], model="transformer", size="tiny"
+        )
+
+
+def test_overhead_adds_rows_without_loss_scaling():
+    results = bench.run_benchmark(
+        ["mixed_float16"],
+        ["custom"],
+        steps=2,
+        rounds=1,
+        warmup_steps=1,
+        native=False,
+        overhead=True,
+        torch_amp=False,
+        **TINY,
+    )
+    kmp_row, unscaled = results
+    assert unscaled["implementation"] == "unscaled"
+    assert not unscaled["loss_scaling"] and unscaled["loss_scales"] is None
+    assert kmp_row["loss_scaling_overhead"] == pytest.approx(
+        kmp_row["median_ms"] / unscaled["median_ms"] - 1
+    )
+    header, _ = _tables(bench_report.format_table(results))[0]
+    assert bench_report.OVERHEAD_COLUMN in header
+    assert "loss scaling adds to the mixed_float16 step: kmp" in (
+        bench_report.summarize(results)
+    )
+
+
+def test_memory_is_measured_where_the_backend_can():
+    results = bench.run_benchmark(
+        ["float32"],
+        ["custom"],
+        steps=1,
+        rounds=1,
+        warmup_steps=1,
+        native=False,
+        torch_amp=False,
+        memory=True,
+        **TINY,
+    )
+    (result,) = results
+    if result["device"] == "cpu" and not backends.JAX:
+        assert result["peak_memory_mb"] is None
+    else:  # XLA's buffers of the compiled step, or a GPU's allocator.
+        assert result["peak_memory_mb"] > 0
+
+
+# --- Planning -----------------------------------------------------------------
+
+
+def test_plan_configurations_orders_the_implementations():
+    plan = bench.plan_configurations(
+        ["float32", "mixed_float16"],
+        ["fit", "custom"],
+        native=True,
+        overhead=True,
+        torch_amp=True,
+        device="gpu",
+    )
+    keras_side = [
+        ("float32", "fit", "kmp"),
+        ("float32", "custom", "kmp"),
+        ("mixed_float16", "fit", "kmp"),
+        ("mixed_float16", "custom", "kmp"),
+        ("mixed_float16", "fit", "native"),
+        ("mixed_float16", "custom", "native"),
+        ("mixed_float16", "fit", "unscaled"),
+        ("mixed_float16", "custom", "unscaled"),
+    ]
+    torch_side = [
+        ("float32", "custom", "torch"),
+        ("mixed_float16", "custom", "torch"),
+        ("mixed_float16", "custom", "torch_unscaled"),
+    ]
+    assert plan == keras_side + (torch_side if backends.TORCH else [])
+
+
+@pytest.mark.parametrize(
+    "device, policies",
+    [("gpu", ["mixed_bfloat16", "mixed_float16"]), ("cpu", ["mixed_bfloat16"])],
+)
+def test_plain_pytorch_amp_rows(device, policies):
+    """No counterpart of the pure 16-bit policies; float16 on a GPU only."""
+    plan = bench.plan_configurations(
+        ["bfloat16", "float16", "mixed_bfloat16", "mixed_float16"],
+        ["custom"],
+        native=True,
+        overhead=True,
+        torch_amp=True,
+        device=device,
+    )
+    torch_rows = [p for p in plan if p[2].startswith("torch")]
+    expected = [(p, "custom", "torch") for p in policies]
+    if "mixed_float16" in policies:
+        expected.append(("mixed_float16", "custom", "torch_unscaled"))
+    assert torch_rows == (expected if backends.TORCH else [])
+
+
+@pytest.mark.parametrize(
+    "seconds, step_seconds, max_rounds, expected",
+    [
+        (60.0, [0.1, 0.2, 0.3], 5, (95, 5)),
+        (60.0, [0.1, 0.2, 0.3], 2, (98, 2)),
+        (6.0, [0.1, 0.2, 0.3], 5, (9, 1)),
+        (30.0, [0.01], 5, (2995, 5)),
+        (1e6, [0.001], 5, (bench.MAX_BUDGET_STEPS, 5)),
+        (-3.0, [0.1], 5, (1, 1)),
+        (1.0, [0.0], 5, (bench.MAX_BUDGET_STEPS, 5)),
+    ],
+    ids=[
+        "five_rounds",
+        "two_rounds_at_most",
+        "few_steps_one_round",
+        "fast_steps",
+        "capped",
+        "over_budget_still_one_step",
+        "no_time_measured",
+    ],
+)
+def test_plan_steps(seconds, step_seconds, max_rounds, expected):
+    assert bench.plan_steps(seconds, step_seconds, max_rounds) == expected
+
+
+# --- Reporting, on made-up results ------------------------------------------
+
+
+def _result(policy, loop, median_ms, accuracy, implementation="kmp"):
+    scaled = policy == "mixed_float16" and implementation in (
+        "kmp",
+        "native",
+        "torch",
+    )
+    return {
+        "policy": policy,
+        "loop": loop,
+        "implementation": implementation,
+        "loss_scaling": scaled,
+        "backend": "tensorflow",
+        "device": "cpu",
+        "model": "digits",
+        "batch_size": 100,
+        "units": 8,
+        "warmup_steps": 1,
+        "steps": 3,
+        "step_times_ms": [median_ms] * 3,
+        "median_ms": median_ms,
+        "q1_ms": median_ms,
+        "q3_ms": median_ms,
+        "min_ms": median_ms,
+        "max_ms": median_ms,
+        "samples_per_second": 100 / (median_ms / 1000),
+        "speedup_vs_float32": None,
+        "kmp_over_native": None,
+        "kmp_over_torch": None,
+        "loss_scaling_overhead": None,
+        "peak_memory_mb": None,
+        "final_loss": 0.25,
+        "test_accuracy": accuracy,
+        "losses": [1.0, 0.5, 0.3, 0.25],
+        "loss_scales": [4.0, 2.0, 2.0, 2.0] if scaled else None,
+        "final_loss_scale": 2.0 if scaled else None,
+        "skipped_steps": 1 if scaled else None,
+        "skipped_at": [2] if scaled else None,
+    }
+
+
+def _with_comparisons(results):
+    bench.add_comparisons(results)
+    return results
+
+
+def test_summary_reports_a_speedup_at_the_same_accuracy():
+    results = _with_comparisons(
+        [
+            _result("float32", "fit", 4.2, 0.969),
+            _result("mixed_bfloat16", "fit", 2.0, 0.962),
+        ]
+    )
+    assert bench_report.summarize(results) == (
+        "model.fit: mixed_bfloat16 is 2.1x faster than float32 here and "
+        "reaches the same accuracy (96.2% vs 96.9%)."
+    )
+
+
+def test_summary_reports_the_honest_opposite():
+    results = _with_comparisons(
+        [
+            _result("float32", "custom", 2.0, 0.97),
+            _result("mixed_bfloat16", "custom", 3.0, 0.95),
+        ]
+    )
+    summary = bench_report.summarize(results)
+    assert summary.startswith(
+        "custom loop: mixed_bfloat16 is 1.5x slower than float32 here and "
+        "ends 2.0 points lower in accuracy (95.0% vs 97.0%)."
+    )
+    assert "16-bit compute pays off" in summary
+
+
+def test_summary_reports_kmp_against_native_and_skipped_steps():
+    results = _with_comparisons(
+        [
+            _result("mixed_float16", "custom", 5.5, 0.97),
+            _result("mixed_float16", "custom", 5.0, 0.97, "native"),
+        ]
+    )
+    summary = bench_report.summarize(results)
+    assert (
+        "custom loop: kmp's mixed_float16 steps take 10% longer than native "
+        "Keras 3's (5.50 vs 5.00 ms/step)" in summary
+    )
+    assert "(custom loop, kmp) skipped 1 step with inf/NaN" in summary
+
+
+def test_format_table_puts_native_rows_in_a_second_table():
+    results = _with_comparisons(
+        [
+            _result("float32", "fit", 2.0, 0.97),
+            _result("mixed_float16", "fit", 8.0, 0.97),
+            _result("mixed_float16", "fit", 4.0, 0.97, "native"),
+        ]
+    )
+    (_, kmp_rows), (_, native_rows) = _tables(
+        bench_report.format_table(results)
+    )
+    assert [r["speed-up vs float32"] for r in kmp_rows] == ["1.00", "0.25"]
+    assert kmp_rows[1]["final loss scale"] == "2"
+    assert kmp_rows[1]["skipped steps"] == "1"
+    assert native_rows[0]["kmp / native"] == "2.00"
+    assert native_rows[0]["ms/step (median)"] == "4.00 (4.00-4.00)"
+
+
+def _torch_results():
+    return _with_comparisons(
+        [
+            _result("float32", "custom", 10.0, 0.97),
+            _result("mixed_bfloat16", "custom", 5.0, 0.97),
+            _result("mixed_float16", "custom", 4.4, 0.97),
+            _result("mixed_float16", "custom", 4.0, 0.97, "unscaled"),
+            _result("float32", "custom", 8.0, 0.97, "torch"),
+            _result("mixed_bfloat16", "custom", 5.0, 0.97, "torch"),
+            _result("mixed_float16", "custom", 4.0, 0.97, "torch"),
+            _result("mixed_float16", "custom", 3.2, 0.97, "torch_unscaled"),
+        ]
+    )
+
+
+def test_pytorch_amp_rows_compare_with_their_own_float32():
+    results = _torch_results()
+    by_key = {(r["policy"], r["implementation"]): r for r in results}
+    assert by_key[("mixed_bfloat16", "kmp")]["speedup_vs_float32"] == 2.0
+    assert by_key[("mixed_bfloat16", "torch")]["speedup_vs_float32"] == 1.6
+    assert by_key[("mixed_float16", "torch")]["kmp_over_torch"] == (
+        pytest.approx(1.1)
+    )
+    assert by_key[("mixed_float16", "kmp")]["loss_scaling_overhead"] == (
+        pytest.approx(0.1)
+    )
+    assert by_key[("mixed_float16", "torch")]["loss_scaling_overhead"] == (
+        pytest.approx(0.25)
+    )
+    assert by_key[("mixed_float16", "unscaled")]["loss_scaling_overhead"] is (
+        None
+    )
+
+
+def test_format_table_gives_pytorch_amp_its_own_table():
+    tables = _tables(bench_report.format_table(_torch_results()))
+    assert len(tables) == 3  # kmp, no loss scaling, PyTorch AMP.
+    header, rows = tables[2]
+    assert header[-1] == bench_report.TORCH_RATIO_COLUMN
+    assert [r["policy"] for r in rows] == [
+        "float32",
+        "mixed_bfloat16",
+        "mixed_float16",
+        "mixed_float16, no GradScaler",
+    ]
+    assert [r[bench_report.OVERHEAD_COLUMN] for r in rows] == [
+        "-",
+        "-",
+        "+25.0%",
+        "-",
+    ]
+    assert rows[1]["kmp / PyTorch AMP"] == "1.00"
+
+
+def test_summary_compares_kmp_with_pytorch_amp():
+    summary = bench_report.summarize(_torch_results())
+    assert (
+        "custom loop: kmp's mixed_bfloat16 steps take as long as plain "
+        "PyTorch AMP's (5.00 vs 5.00 ms/step); speed-up over float32: kmp "
+        "2.00x, PyTorch AMP 1.60x." in summary
+    )
+    assert (
+        "custom loop: loss scaling adds to the mixed_float16 step: kmp "
+        "+10.0%, PyTorch's GradScaler +25.0%" in summary
+    )
+
+
+def test_float16_fusion_note_is_for_tensorflow_only():
+    results = _with_comparisons([_result("mixed_float16", "fit", 4.0, 0.97)])
+    assert bench_report.FLOAT16_FUSION_NOTE in bench_report.summarize(results)
+    results[0]["backend"] = "jax"
+    assert bench_report.FLOAT16_FUSION_NOTE not in (
+        bench_report.summarize(results)
+    )
+
+
+@pytest.mark.parametrize(
+    "keyword, value, error, fragment",
+    [
+        ("policies", ["float32", "int8"], ValueError, "must name only"),
+        ("policies", "float32", TypeError, "must be a list of names"),
+        ("loops", [], ValueError, "at least one"),
+        ("steps", 0, ValueError, "'steps' must be an integer >= 1"),
+        ("units", 2.5, TypeError, "'units' must be an integer"),
+        ("rounds", 9, ValueError, "'rounds' must be at most 'steps'"),
+        ("budget_seconds", 0, ValueError, "'budget_seconds' must be"),
+        ("budget_seconds", "2", TypeError, "'budget_seconds' must be"),
+        ("model", "resnet", ValueError, "'model' must be one of"),
+        ("size", "huge", ValueError, "'size' must be one of"),
+    ],
+    ids=[
+        "unknown_policy",
+        "policies_string",
+        "no_loops",
+        "zero_steps",
+        "float_units",
+        "more_rounds_than_steps",
+        "zero_budget",
+        "budget_string",
+        "unknown_model",
+        "unknown_size",
+    ],
+)
+def test_run_benchmark_rejects_bad_arguments(keyword, value, error, fragment):
+    arguments = {"steps": 4, "rounds": 2, "verbose": False, keyword: value}
+    with pytest.raises(error, match=fragment):
+        bench.run_benchmark(**arguments)
+
+
+def test_plot_marks_skipped_steps_on_a_log_scale_axis(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = [
+        _result("float32", "fit", 4.0, 0.97),
+        _result("mixed_float16", "fit", 2.0, 0.97),
+    ]
+    results[1].update(
+        loss_scales=[4.0, 2.0, 2.0, 2.0], skipped_at=[2], skipped_steps=1
+    )
+    figure = bench_report.write_plot(results, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    scales_axes = figure.axes[1]
+    assert scales_axes.get_yscale() == "log"
+    (marks,) = [
+        line for line in scales_axes.lines if line.get_gid() == "skipped"
+    ]
+    assert list(marks.get_xdata()) == [2]
+    assert list(marks.get_ydata()) == [2.0]
+    assert marks.get_marker() == "x"
