@@ -100,9 +100,7 @@ def apply(optimizer, grads, variables, scaled: bool) -> None:
     )
     in_a_row_before = optimizer.consecutive_skips_variable.value
     # The step's one read of the device.
-    read = torch.stack(
-        [apply_ok.to(torch.int64), in_a_row_before.to(torch.int64)]
-    )
+    read = torch.stack([apply_ok.to(in_a_row_before.dtype), in_a_row_before])
     applied, in_a_row_before = read.tolist()
     if applied:
         optimizer.inner_optimizer.apply(grads, variables)
@@ -138,8 +136,27 @@ def update_state(optimizer, finite, applied: bool, per_gradient, variables):
                 for v in optimizer._trainable_variables
             ]
             optimizer.nonfinite_mask.value.copy_(torch.stack(bad))
-    if optimizer.dynamic:
+    if not optimizer.dynamic:
+        return
+    if applied:
+        _next_scale_after_finite(optimizer)
+    else:
         _next_scale(optimizer, finite)
+
+
+def _next_scale_after_finite(optimizer):
+    """`ScaleRule.next` with `finite` true (an applied step is finite), in
+    a few in-place ops: count, and grow after `growth_steps` in a row."""
+    rule = optimizer.rule
+    scale = optimizer.dynamic_scale.value
+    counter = optimizer.step_counter.value
+    hysteresis_left = optimizer.hysteresis_left.value
+    counter.add_(1)
+    grow = counter >= rule.growth_steps
+    grown = scale * rule.growth_factor
+    scale.copy_(torch.where(grow & (grown <= rule.max_scale), grown, scale))
+    counter.masked_fill_(grow, 0)
+    hysteresis_left.masked_fill_(grow, rule.hysteresis)
 
 
 def _next_scale(optimizer, finite):
