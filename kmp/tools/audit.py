@@ -140,9 +140,11 @@ def audit(
         ValueError: `model` is not built; `x` or `y` is empty or its arrays
             differ in rows; `y` differs from `x` in rows, does not hold one
             target per output or does not fit an output under the loss; no
-            layer computes in low precision and `policy` is None; no loss is
-            known (or the compiled one is per output) and `y` is given; a
-            number is out of range; the model fails to run under `policy`.
+            loss is known (or the compiled one is per output) and `y` is
+            given; a number is out of range; the model fails to run under
+            `policy`.
+        kmp.tools.audit.NothingToAuditError: (a `ValueError`) no layer
+            computes in low precision and `policy` is None.
         RuntimeError: the layer calls of the model and of its float32 copy
             do not match (a bug in kmp: please report it with the model).
 
