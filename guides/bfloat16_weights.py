@@ -254,14 +254,14 @@ print(
 # ## float16 weights
 #
 # For float16 variables, wrap the other way round for loss scaling:
-# `kmp.LossScaleOptimizer(kmp.LowPrecisionOptimizer(...))`. Keep the slots
-# out of float16 (`slot_dtype="bfloat16"`): Adam's second moment is a squared
-# gradient, which underflows in float16.
+# `kmp.LossScaleOptimizer(kmp.LowPrecisionOptimizer(...))`. The slots of
+# float16 variables are float32 by default: Adam's second moment is a
+# squared gradient, which underflows in float16 (with float16 slots, a
+# digits classifier reached 91% where float32 reaches 98%).
+# `slot_dtype="bfloat16"` halves them and keeps float32's range.
 
 float16_optimizer = kmp.LossScaleOptimizer(
-    kmp.LowPrecisionOptimizer(
-        keras.optimizers.Adam(1e-3), slot_dtype="bfloat16"
-    )
+    kmp.LowPrecisionOptimizer(keras.optimizers.Adam(1e-3))
 )
 print("float16 recipe:", type(float16_optimizer.inner_optimizer).__name__)
 

@@ -6,6 +6,7 @@ holding an array `x` and, for gradients, `y`, on whichever Keras backend
 """
 
 import argparse
+import shlex
 
 from kmp_cli import arguments
 
@@ -77,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         x = data["x"]
         y = data["y"] if "y" in data else None
 
+    from kmp.tools.audit import NothingToAuditError
     from kmp.tools.audit import audit
     from kmp.tools.models import load_model
 
@@ -91,6 +93,13 @@ def run(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             steps=args.steps,
         )
+    except NothingToAuditError as error:
+        # The command to run again, as the user would type it.
+        how = shlex.join(
+            ["kmp", "audit", str(args.model), "--data", str(args.data)]
+        )
+        how += " --policy mixed_float16"
+        raise SystemExit(f"kmp audit: error: {error.message(how)}") from error
     except (TypeError, ValueError) as error:  # audit's checks, named.
         raise SystemExit(f"kmp audit: error: {error}") from error
     print(report.to_text())

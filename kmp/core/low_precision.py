@@ -20,11 +20,13 @@ variable's dtype, rounded by one of:
   `jax.random`, a counter-based hash on torch);
 * `"nearest"`: rounds to nearest once, after the float32 update.
 
-`slot_dtype="bfloat16"` keeps the inner optimizer's slots (Adam's moments,
-momentum) in bfloat16 while its arithmetic stays float32, for float32
-(mixed-precision) variables too. Float32 variables are written back exactly:
-with them and the default `slot_dtype`, results are the inner optimizer's,
-bit for bit.
+By default the inner optimizer's slots (Adam's moments, momentum) are in
+each variable's dtype, except float16 variables', which are float32: Adam's
+second moment, a squared gradient, underflows float16.
+`slot_dtype="bfloat16"` keeps every slot in bfloat16 while its arithmetic
+stays float32, for float32 (mixed-precision) variables too. Float32
+variables are written back exactly: with them and the default `slot_dtype`,
+results are the inner optimizer's, bit for bit.
 
 The mechanism, the same on every backend: the inner optimizer's own
 `_backend_update_step` runs (its per-step work included), but each
@@ -150,9 +152,13 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         slot_dtype: The dtype of every floating variable the inner optimizer
             creates for itself (moments, momentum, accumulators):
             `"bfloat16"`, `"float16"`, `"float32"`, or None (default) for
-            each variable's own dtype, as Keras does. Not float16 for
-            Adam-like optimizers: a squared gradient underflows there
-            (use `"bfloat16"` with float16 variables).
+            each variable's own dtype, as Keras does, except that the
+            slots of float16 variables are float32: a squared gradient
+            (Adam's second moment) underflows float16, and training with
+            float16 slots falls well short of float32's accuracy.
+            `"bfloat16"` halves those slots (float32's range, 8
+            significant bits); `"float16"` is for optimizers whose slots
+            hold no squares (SGD's momentum), if at all.
         seed: The stochastic-rounding seed, an integer in [0, 2**63 - 1]
             (NumPy's too); None draws one from Python's `random` (seeded by
             `keras.utils.set_random_seed`), which the config then holds.
@@ -275,13 +281,19 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
     def _build_inner(self, var_list):
         inner = self._inner_optimizer
         slot_dtype = self._slot_dtype
-        if slot_dtype is None:
+        if slot_dtype is None and not any(
+            _is_float16(variable.dtype) for variable in var_list
+        ):
             inner.build(var_list)
             return
         original = inner.add_variable
 
         def add_variable(shape, initializer="zeros", dtype=None, **kwargs):
-            if dtype is None or keras.backend.is_float_dtype(dtype):
+            if slot_dtype is None:
+                # Each variable's dtype, float16's widened to float32.
+                if _is_float16(dtype):
+                    dtype = "float32"
+            elif dtype is None or keras.backend.is_float_dtype(dtype):
                 dtype = slot_dtype
             return original(shape, initializer, dtype, **kwargs)
 
@@ -446,6 +458,10 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
 
 
 _KERAS_WEIGHT_DECAY = keras.optimizers.Optimizer._apply_weight_decay
+
+
+def _is_float16(dtype) -> bool:
+    return dtype is not None and rounding.dtype_name(dtype) == "float16"
 
 
 def clip_gradients(inner, grads):

@@ -74,6 +74,22 @@ def test_audit_command_needs_x_in_the_data(tmp_path):
         main(["audit", str(model_path), "--data", str(data_path)])
 
 
+def test_audit_command_on_a_float32_model_names_the_policy_flag(tmp_path):
+    model_path = tmp_path / "float 32.keras"
+    _overflow_model().save(model_path)
+    data_path = tmp_path / "data.npz"
+    np.savez(data_path, x=_data()[0])
+    with pytest.raises(SystemExit) as raised:
+        main(["audit", str(model_path), "--data", str(data_path)])
+    message = str(raised.value.code)
+    assert message.startswith("kmp audit: error: Every layer of model")
+    assert message.endswith(
+        f"Pass the policy you plan to use, e.g. kmp audit '{model_path}' "
+        f"--data {data_path} --policy mixed_float16."
+    )
+    assert "policy=" not in message
+
+
 def test_audit_command_works_on_a_mixed_model_as_saved(tmp_path, capsys):
     with kmp.policy_scope("mixed_float16"):
         model = keras.Sequential(

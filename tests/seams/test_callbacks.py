@@ -1,4 +1,5 @@
-"""Every callback kmp ships, under every strategy and mode of the backend.
+"""Every callback kmp ships, under every strategy and mode of the backend,
+with each optimizer of `OPTIMIZERS` (gradient accumulation included).
 
 `fit` runs two epochs of three batches with the callback; the last batch
 of the first epoch and the middle one of the second carry a NaN, so the
@@ -32,9 +33,15 @@ def monitor(directory):
 
 # Every name in kmp.callbacks, made as a user would, writing to a folder.
 CALLBACKS = {"LossScaleMonitor": monitor}
-# What the callbacks watch: a kmp.LossScaleOptimizer given to compile, and
-# the one compile wraps by itself under mixed_float16.
-OPTIMIZERS = ["lso_growth", "compile_auto"]
+# What the callbacks watch: a kmp.LossScaleOptimizer given to compile, the
+# one compile wraps by itself under mixed_float16, and one whose inner
+# optimizer accumulates gradients (an update every two steps).
+OPTIMIZERS = ["lso_growth", "compile_auto", "lso_accumulating"]
+# Combinations Keras itself cannot run, left out: gradient accumulation in
+# a `tf.function` under MirroredStrategy (Keras 3.15, Adam alone, without
+# kmp: "`merge_call` called while defining a new graph", from the cond its
+# accumulation runs the update in).
+UNSUPPORTED = {("lso_accumulating", "mirrored", "tf_function")}
 
 
 class _StateAtEpochEnd(keras.callbacks.Callback):
@@ -92,6 +99,7 @@ def _cells():
         for strategy in matrix.STRATEGIES
         for mode in matrix.MODES
         if (strategy, mode) not in matrix.UNSUPPORTED
+        and (optimizer, strategy, mode) not in UNSUPPORTED
     ]
 
 

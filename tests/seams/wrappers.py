@@ -11,8 +11,10 @@ error the user's call raises instead.
 
 The configurations: `lso_<knobs>` (each knob set of `KNOBS`), `lpo_<rounding>`
 (each rounding), `fused_adam`, two wrappers nested (the outer one first:
-`lso_lpo_kahan`; the reverse orders are refused), `convert_<policy>`
-(convert's result) and `compile_auto` (compile's auto-wrap).
+`lso_lpo_<rounding>`, float16 weights with each rounding; the reverse orders
+are refused), `convert_<policy>` (convert's result) and `compile_auto`
+(compile's auto-wrap); for the callbacks' cells also `lso_accumulating`
+(an inner optimizer that accumulates gradients).
 """
 
 import dataclasses
@@ -31,6 +33,12 @@ def adam():
 
 def fused_adam():
     return kmp.FusedAdam(0.01)
+
+
+def accumulating_adam():
+    """Adam updating once every two steps (Keras's `iterations` is then a
+    tensor computed from the steps applied)."""
+    return keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)
 
 
 # The knob sets of kmp.LossScaleOptimizer: every setting, each with values
@@ -179,12 +187,25 @@ WRAPPERS = [
         reference=fused_adam,
         tensorflow_only=True,
     ),
-    # The documented order for float16 variables (and slots in bfloat16,
-    # where Adam's squared gradients do not underflow).
+    # The documented order for float16 variables, with every rounding:
+    # slots in bfloat16 (where Adam's squared gradients do not underflow),
+    # or by default in float32.
     Wrapper(
         "lso_lpo_kahan",
         "float16",
         lso(lpo("kahan", slot_dtype="bfloat16"), **KNOBS["growth"]),
+        skips=True,
+    ),
+    Wrapper(
+        "lso_lpo_stochastic",
+        "float16",
+        lso(lpo("stochastic"), **KNOBS["growth"]),
+        skips=True,
+    ),
+    Wrapper(
+        "lso_lpo_nearest",
+        "float16",
+        lso(lpo("nearest"), **KNOBS["growth"]),
         skips=True,
     ),
     Wrapper(
@@ -235,8 +256,25 @@ WRAPPERS = [
 ]
 
 
+# Configurations only the callbacks' cells train with (tests/seams/
+# test_callbacks.py): the round trips of the matrix count one update per
+# step.
+CALLBACK_WRAPPERS = [
+    Wrapper(
+        "lso_accumulating",
+        "float32",
+        lso(accumulating_adam, **KNOBS["growth"]),
+        skips=True,
+    ),
+]
+
+
 def by_name(name) -> Wrapper:
-    (found,) = [wrapper for wrapper in WRAPPERS if wrapper.name == name]
+    (found,) = [
+        wrapper
+        for wrapper in WRAPPERS + CALLBACK_WRAPPERS
+        if wrapper.name == name
+    ]
     return found
 
 

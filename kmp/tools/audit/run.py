@@ -52,6 +52,39 @@ from kmp.tools.audit.report import LayerAudit
 from kmp.tools.convert.model import convert
 
 
+class NothingToAuditError(ValueError):
+    """Every layer computes in float32 or wider and no policy was given.
+
+    A `ValueError`, whose message says how to pass the policy from Python;
+    `message(how)` says it another way (the command line's `--policy`).
+
+    Args:
+        model_name: The name of the model audited.
+    """
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        super().__init__(
+            self.message("audit(model, x, y, policy='mixed_float16')")
+        )
+
+    def message(self, how: str) -> str:
+        """The error's message, with `how` to pass the policy.
+
+        Args:
+            how: An example of passing the policy, e.g. `"--policy
+                mixed_float16"`.
+
+        Returns:
+            The message, naming the model and ending with `how`.
+        """
+        return (
+            f"Every layer of model {self.model_name!r} computes in float32 "
+            "or wider, so there is nothing to audit. Pass the policy you "
+            f"plan to use, e.g. {how}."
+        )
+
+
 def audit(
     model: keras.Model,
     x,
@@ -106,9 +139,11 @@ def audit(
         ValueError: `model` is not built; `x` or `y` is empty or its arrays
             differ in rows; `y` differs from `x` in rows, does not hold one
             target per output or does not fit an output under the loss; no
-            layer computes in low precision and `policy` is None; no loss is
-            known (or the compiled one is per output) and `y` is given; a
-            number is out of range; the model fails to run under `policy`.
+            loss is known (or the compiled one is per output) and `y` is
+            given; a number is out of range; the model fails to run under
+            `policy`.
+        kmp.tools.audit.NothingToAuditError: (a `ValueError`) no layer
+            computes in low precision and `policy` is None.
         RuntimeError: the layer calls of the model and of its float32 copy
             do not match (a bug in kmp: please report it with the model).
 
@@ -165,11 +200,7 @@ def audit(
         )
     dtypes = [audit_probe.compute_dtype(call) for call in low_probe.calls]
     if not any(d in models.LOW_PRECISION_DTYPES for d in dtypes):
-        raise ValueError(
-            f"Every layer of model {model.name!r} computes in float32 or "
-            "wider, so there is nothing to audit. Pass the policy you plan to "
-            "use, e.g. audit(model, x, y, policy='mixed_float16')."
-        )
+        raise NothingToAuditError(model.name)
     uses_float16 = "float16" in dtypes
     if loss_scale is None:
         loss_scale = _rule.DEFAULT_INITIAL_SCALE if uses_float16 else 1.0
@@ -303,4 +334,4 @@ def _audit_batch(
             )
 
 
-__all__ = ["AuditReport", "LayerAudit", "audit"]
+__all__ = ["AuditReport", "LayerAudit", "NothingToAuditError", "audit"]

@@ -69,6 +69,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
     * `"consecutive_skips"`: how many of the latest steps were skipped in a
       row (an int; 0 after a step that was applied).
 
+    A step is a batch of `fit`, also when the inner optimizer accumulates
+    gradients (`gradient_accumulation_steps`) and updates the weights once
+    every few batches.
+
     So `model.fit(...).history` holds them per epoch, and so does a
     `keras.callbacks.TensorBoard` or `CSVLogger` listed *after* this callback.
     The `"loss"` that `fit` logs is the unscaled loss, as without loss
@@ -286,7 +290,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         skipped = int(optimizer.skipped_steps)
         # read_value: under tf.distribute, iterations is a MirroredVariable,
         # which int() does not take.
-        applied = int(read_value(optimizer.inner_optimizer.iterations))
+        applied = int(read_value(_applied_steps_variable(optimizer)))
         return skipped, applied
 
     def _write_batch_scalars(self):
@@ -362,6 +366,24 @@ class LossScaleMonitor(keras.callbacks.Callback):
             f"gradients (more than {self.warn_skip_fraction:.0%}); the loss "
             f"scale is now {loss_scale:g}. {advice}"
         )
+
+
+def _applied_steps_variable(optimizer):
+    """The variable counting the batches `optimizer` applied (not skipped).
+
+    It is the `iterations` of the Keras optimizer innermost in `optimizer`
+    (under a `kmp.LowPrecisionOptimizer` too), except with gradient
+    accumulation: there Keras's `iterations` is a tensor computed from it,
+    the updates made (one every `gradient_accumulation_steps` batches), and
+    the batches are counted by the variable itself, `_iterations`. A
+    skipped batch advances neither, so the batches of an epoch are its
+    skipped steps plus the growth of this variable.
+    """
+    inner = optimizer.inner_optimizer
+    while hasattr(inner, "inner_optimizer"):
+        inner = inner.inner_optimizer
+    variable = getattr(inner, "_iterations", None)
+    return inner.iterations if variable is None else variable
 
 
 def _checked_path(value, argument: str) -> Optional[str]:

@@ -191,6 +191,44 @@ def test_frequent_skips_warn_at_most_once_per_window(
         )
 
 
+@pytest.mark.parametrize(
+    "inner",
+    [
+        lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2),
+        lambda: kmp.LowPrecisionOptimizer(keras.optimizers.Adam(0.01)),
+    ],
+    ids=["gradient_accumulation", "low_precision_optimizer"],
+)
+def test_every_batch_counts_as_a_step_whatever_the_inner_optimizer(
+    caplog, tmp_path, inner
+):
+    # With gradient accumulation Keras's `iterations` is a tensor computed
+    # from the batches applied (one update every 2 here); through a
+    # LowPrecisionOptimizer it is the wrapped optimizer's. The monitor
+    # counts batches: 2 skipped of 4 per epoch (not of 3).
+    inner = inner()
+    optimizer = kmp.LossScaleOptimizer(inner, initial_scale=1024)
+    path = tmp_path / "scale.csv"
+    monitor = LossScaleMonitor(warn_skip_fraction=0.2, csv_path=path)
+    with caplog.at_level(logging.WARNING, logger="kmp"):
+        history = _fit(_model(optimizer), _data(bad_steps=[0, 2]), 2, [monitor])
+    assert history.history["skipped_steps"] == [2, 2]
+    assert history.history["loss_scale"] == [256.0, 64.0]
+    assert history.history["consecutive_skips"] == [0, 0]
+    warnings_logged = _monitor_warnings(caplog)
+    assert len(warnings_logged) == 2
+    for epoch, warning in enumerate(warnings_logged):
+        assert f"2 of 4 steps (50%) in epoch {epoch} were skipped" in (
+            warning.getMessage()
+        )
+    with open(path, newline="") as file:
+        rows = list(csv.reader(file))
+    assert [row[:4] for row in rows[1:]] == [
+        ["0", "256.0", "2", "0"],
+        ["1", "64.0", "2", "0"],
+    ]
+
+
 def test_warning_at_scale_one_points_at_the_model(caplog):
     optimizer = kmp.LossScaleOptimizer(
         keras.optimizers.SGD(0.01), dynamic=False, initial_scale=1
