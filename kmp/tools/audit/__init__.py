@@ -9,6 +9,7 @@ the backend's part: `tensorflow`, `jax`, `torch`), adds up the numbers
 
 from kmp.tools.audit.report import AuditReport
 from kmp.tools.audit.report import LayerAudit
+from kmp.tools.audit.run import NothingToAuditError
 from kmp.tools.audit.run import audit
 
-__all__ = ["AuditReport", "LayerAudit", "audit"]
+__all__ = ["AuditReport", "LayerAudit", "NothingToAuditError", "audit"]
