@@ -10,13 +10,13 @@
   epoch and (with `update_freq`) per batch;
 * with `csv_path`, it appends a row per epoch to a CSV file;
 * it warns when many steps are skipped;
-* in a `fit` compiled by XLA (`jit_compile=True`, JAX's `jit`), where no
-  Python runs inside a step, it runs the optimizer's persistent-skips
-  check (`check_persistent_skips`) after every batch.
+* in a `fit` compiled by XLA on TensorFlow with kmp's `compile` patch off
+  (with it, and on JAX, `fit` checks by itself), it runs the optimizer's
+  persistent-skips check after every batch.
 
 It reads the optimizer's variables once per epoch; per batch, only what the
-options ask for (one read for the persistent-skips check on TensorFlow,
-three for per-batch scalars).
+options ask for (three reads for per-batch scalars; one for the
+persistent-skips check where it runs).
 
 What to look for in TensorBoard (`guides/watching_the_scale.py` shows each):
 
@@ -106,11 +106,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
     When the model's steps are compiled by XLA (`jit_compile=True`, the
     default on JAX), the optimizer cannot warn or raise about persistent
     skips (`max_consecutive_skips`, `on_persistent_skips`) inside a step;
-    `fit` checks after every step by itself (kmp's `compile` patch), and
-    this callback checks after every batch too (one variable read on
-    TensorFlow, where it also works with that patch off), so `"raise"`
-    stops `fit` with a `FloatingPointError` at the batch that reaches the
-    limit.
+    `fit` checks by itself (kmp's `compile` patch), a step late, without
+    waiting for the device (`docs/guarantees.md`). With that patch off,
+    on TensorFlow, this callback checks after every batch instead (one
+    variable read), and `"raise"` stops `fit` with a `FloatingPointError`
+    at the batch that reaches the limit.
 
     The model must be compiled with a `kmp.LossScaleOptimizer` (which
     `model.compile` provides by itself under `"mixed_float16"`); otherwise
@@ -225,10 +225,16 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._batch_every = {"epoch": None, "batch": 1}.get(
             self.update_freq, self.update_freq
         )
-        # Outside XLA the optimizer checks persistent skips in the step.
+        # Outside XLA the optimizer checks persistent skips in the step;
+        # under it fit does (the compile patch), a step late, on JAX too.
+        from kmp import patches
+
         limit = optimizer.max_consecutive_skips
-        compiled = bool(getattr(model, "jit_compile", False)) and not bool(
-            getattr(model, "run_eagerly", False)
+        compiled = (
+            backend.is_tensorflow()
+            and bool(getattr(model, "jit_compile", False))
+            and not bool(getattr(model, "run_eagerly", False))
+            and "compile" not in patches.installed()
         )
         self._skip_limit = limit if compiled and limit is not None else None
         # Before the first step, as Keras's CSVLogger opens its file.
@@ -311,12 +317,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def _check_persistent_skips(self):
         """`check_persistent_skips()`, for steps compiled by XLA."""
         optimizer = self._optimizer
-        # On JAX, inside fit, Keras holds the values: fit's own check (the
-        # compile patch) reads them; on TensorFlow one read per batch.
-        if backend.is_jax():
-            optimizer.check_persistent_skips()
-        elif int(optimizer.consecutive_skips) >= self._skip_limit:
-            optimizer.check_persistent_skips()
+        if int(optimizer.consecutive_skips) >= self._skip_limit:
+            optimizer.check_persistent_skips_now()
 
     # --- Writing ------------------------------------------------------------
 

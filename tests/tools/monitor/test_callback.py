@@ -629,10 +629,12 @@ class _Batches(keras.callbacks.Callback):
 
 
 @needs_xla
-def test_persistent_skips_raise_under_xla_at_the_batch_reaching_the_limit():
+def test_persistent_skips_raise_under_xla_a_batch_after_the_limit():
     model = _skipping_model(jit_compile=True, mode="raise")
     batches = _Batches()
-    # Batch 0 is applied; 1, 2 and 3 are skipped: the third in a row raises.
+    # Batch 0 is applied; 1, 2 and 3 are skipped: the third in a row
+    # reaches the limit, and fit's check (the compile patch), which reads a
+    # step's numbers a step later, raises at batch 4.
     with pytest.raises(FloatingPointError, match="skipped the last 3 steps"):
         _fit(
             model,
@@ -640,10 +642,32 @@ def test_persistent_skips_raise_under_xla_at_the_batch_reaching_the_limit():
             1,
             [LossScaleMonitor(), batches],
         )
-    assert batches.ended == [0, 1, 2]  # The monitor raised at batch 3.
+    assert batches.ended == [0, 1, 2, 3]
     optimizer = model.optimizer
-    assert int(optimizer.skipped_steps) == 3
+    assert int(optimizer.skipped_steps) == 4
     assert int(optimizer.iterations) == 1
+
+
+@tensorflow_only
+@needs_xla
+def test_persistent_skips_raise_under_xla_from_the_monitor_without_the_patch():
+    kmp.patches.uninstall("compile")
+    try:
+        model = _skipping_model(jit_compile=True, mode="raise")
+        batches = _Batches()
+        # The monitor reads the count after every batch: it raises at the
+        # batch that reaches the limit.
+        with pytest.raises(FloatingPointError, match="the last 3 steps"):
+            _fit(
+                model,
+                _data(bad_steps=[1, 2, 3, 4, 5], steps=8),
+                1,
+                [LossScaleMonitor(), batches],
+            )
+    finally:
+        kmp.patches.install("compile")
+    assert batches.ended == [0, 1, 2]  # The monitor raised at batch 3.
+    assert int(model.optimizer.skipped_steps) == 3
 
 
 @pytest.mark.parametrize("run_eagerly", [False, True], ids=["default", "eager"])
@@ -664,11 +688,13 @@ def test_persistent_skips_raise_without_xla_from_the_optimizer(run_eagerly):
             1,
             [LossScaleMonitor(), batches],
         )
-    assert batches.ended == [0, 1, 2]
+    # On JAX fit reads a step's numbers a step later: batch 4 raises.
+    skips = 4 if BACKEND == "jax" else 3
+    assert batches.ended == list(range(skips))
     optimizer = model.optimizer
-    assert int(optimizer.skipped_steps) == 3
-    assert int(optimizer.consecutive_skips) == 3
-    assert float(optimizer.loss_scale) == 1024 / 2**3
+    assert int(optimizer.skipped_steps) == skips
+    assert int(optimizer.consecutive_skips) == skips
+    assert float(optimizer.loss_scale) == 1024 / 2**skips
     assert int(optimizer.iterations) == 1
 
 
