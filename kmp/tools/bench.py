@@ -295,7 +295,7 @@ def _compare(row, key, numerator, denominator, offset=0.0):
     a = numerator.get("block_times_ms")
     b = denominator.get("block_times_ms")
     interval = None
-    if numerator is denominator:
+    if a and b and numerator is denominator:
         interval = [1.0 + offset, 1.0 + offset]
     elif a and b:
         low, high = bench_stats.ratio_interval(a, b)
@@ -439,7 +439,7 @@ def run_benchmark(
     )
     if steps is None:
         progress.say(
-            f"Time budget for the timed steps: {budget_seconds:.0f} s "
+            f"Time budget for the timed steps: {budget_seconds:g} s "
             "(--budget); building, compiling and warming up come first, "
             "on top of it."
         )
@@ -484,7 +484,7 @@ def run_benchmark(
         )
         if not fits:
             progress.say(
-                f"The budget ({budget_seconds:.0f} s) cannot hold "
+                f"The budget ({budget_seconds:g} s) cannot hold "
                 f"{bench_stats.MIN_ROUNDS} rounds of "
                 f"{bench_stats.MIN_ROUND_STEPS} timed steps per "
                 "configuration, the fewest kmp bench times: timing them "

@@ -95,7 +95,10 @@ def blocks_per_round(steps: int) -> int:
 
 
 def _as_rounds(blocks):
-    array = np.asarray(blocks, dtype="float64")
+    try:
+        array = np.asarray(blocks, dtype="float64")
+    except ValueError:  # Rounds of different lengths.
+        array = np.zeros(0)
     if array.ndim != 2 or array.size == 0:
         raise ValueError(
             "Block times must be one list per round, every round with the "
