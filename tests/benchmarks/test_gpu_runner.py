@@ -298,9 +298,7 @@ def test_quick_runs_each_bench_twice_and_says_how_far_they_agree(tmp_path):
     low, high = first["overhead_kmp_ci"]
     assert low <= first["overhead_kmp"] <= high
     pairs = {p["ratio"]: p for p in summary["agreement"]}
-    assert {"fp16_speedup_kmp", "overhead_kmp", "overhead_keras"} <= set(
-        pairs
-    )
+    assert {"fp16_speedup_kmp", "overhead_kmp", "overhead_keras"} <= set(pairs)
     pair = pairs["fp16_speedup_kmp"]
     assert pair["relative_difference"] == pytest.approx(
         pair["second"] / pair["first"] - 1
