@@ -9,7 +9,8 @@
   backend (`tf_gradients`, `jax_gradients`, `torch_gradients`);
 - `doctor`: the machine and the policy that suits it;
 - `bench`: policies timed and compared on one model, on every backend
-  (`bench_models`, `bench_plan`, `bench_configuration`, `bench_report`;
+  (`bench_models`, `bench_plan`, `bench_configuration`, `bench_rounds`,
+  `bench_stats`, `bench_report`;
   the steps of each backend in `tf_bench`, `jax_bench`, `torch_bench`),
   with `timing`, the toolkit `benchmarks/` uses too;
 - `monitor`: the loss scale in `fit`'s logs (`monitor_output`: TensorBoard
