@@ -94,8 +94,8 @@ def format_ratio(result, key, pattern="{:.2f}"):
     `NOISY_MARK` when the interval is wider than
     `bench_stats.SPREAD_LIMIT` of the ratio; "-" without a value.
 
-    >>> format_ratio({"r": 1.5, "r_ci": [1.4, 1.62]}, "r")
-    '1.50 [1.40, 1.62]'
+    >>> format_ratio({"r": 1.5, "r_ci": [1.45, 1.56]}, "r")
+    '1.50 [1.45, 1.56]'
     >>> format_ratio({"r": 1.5, "r_ci": [1.2, 1.8]}, "r")
     '1.50 [1.20, 1.80] !'
     """

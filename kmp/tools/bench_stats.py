@@ -19,7 +19,7 @@ of its ratio is flagged as noisy (`is_noisy`).
 >>> a = [[2.0, 2.1, 1.9, 2.0]] * 5
 >>> b = [[1.0, 1.0, 1.1, 0.9]] * 5
 >>> [round(x, 2) for x in ratio_interval(a, b)]
-[1.82, 2.2]
+[1.95, 2.05]
 """
 
 from typing import List
@@ -48,8 +48,8 @@ def check_counts(steps: int, rounds: int) -> Optional[str]:
 
     >>> check_counts(100, 5) is None
     True
-    >>> check_counts(1, 1)[:38]
-    'At least 5 rounds of 20 timed steps ('
+    >>> check_counts(1, 1)[:35]
+    'At least 5 rounds of 20 timed steps'
     """
     if rounds >= MIN_ROUNDS and steps >= MIN_ROUND_STEPS * rounds:
         return None

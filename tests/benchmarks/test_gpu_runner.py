@@ -248,7 +248,7 @@ def test_jax_transformer_on_a_cpu_runs_without_float16():
     assert run.policies_for("torch", "transformer", "cpu") == list(run.POLICIES)
 
 
-# --- --quick -------------------------------------------------------------------
+# --- --quick ---------------------------------------------------------------
 
 
 def test_quick_runs_each_bench_twice_and_says_how_far_they_agree(tmp_path):
