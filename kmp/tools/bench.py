@@ -489,9 +489,8 @@ def run_benchmark(
                 f"{bench_stats.MIN_ROUND_STEPS} timed steps per "
                 "configuration, the fewest kmp bench times: timing them "
                 "anyway, which takes about "
-                f"{bench_plan.minimum_seconds(seconds, rounds):.0f} s (a "
-                "larger --budget, fewer --policies or a smaller --size "
-                "shorten nothing here but say what you get)."
+                f"{bench_plan.minimum_seconds(seconds, rounds):.0f} s "
+                "(fewer policies or a smaller model take less)."
             )
     per_round = bench_stats.round_steps(steps, rounds)
     blocks = bench_stats.blocks_per_round(min(per_round))

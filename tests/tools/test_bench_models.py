@@ -52,7 +52,9 @@ def test_sizes_and_overrides():
     assert bench_models.model_spec("mlp", "auto", gpu=True).size == "large"
     assert bench_models.model_spec("mlp", "auto", gpu=False).size == "small"
     digits = bench_models.model_spec("digits")
-    assert (digits.width, digits.batch_size) == (2048, 256)
+    assert (digits.width, digits.batch_size) == (1024, 256)
+    large = bench_models.model_spec("digits", "auto", gpu=True)
+    assert (large.width, large.batch_size) == (2048, 256)
     spec = bench_models.model_spec("cnn", "tiny", width=6, batch_size=3)
     assert (spec.width, spec.batch_size) == (6, 3)
     assert "cnn (tiny)" in bench_models.describe(spec)
