@@ -27,9 +27,13 @@ SIZES = ("auto", "large", "small", "tiny")
 DEFAULT_POLICIES = "float32,mixed_bfloat16,mixed_float16"
 DEFAULT_MODEL = "digits"
 DEFAULT_SIZE = "auto"
-DEFAULT_BUDGET_SECONDS = 120.0
+DEFAULT_BUDGET_SECONDS = 90.0
 DEFAULT_ROUNDS = 5
 DEFAULT_WARMUP_STEPS = 10
+# kmp.tools.bench.stats's minimum: never fewer timed steps per round, and
+# never fewer rounds (a test keeps them equal).
+MIN_ROUNDS = 5
+MIN_ROUND_STEPS = 20
 # What to install for each backend (the module that must import).
 _INSTALL = {
     "tensorflow": ("tensorflow", "pip install 'kmp[cpu]' (or 'kmp[gpu]')"),
@@ -48,11 +52,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "train step and the backend's custom loop (TensorFlow: a "
             "GradientTape loop; JAX: the jitted stateless loop; torch: the "
             "backward() loop, and plain PyTorch AMP beside it), and compare "
-            "step time, loss, accuracy and loss scaling. Steps are timed "
-            "one by one, after warm-up, in interleaved rounds; the table "
-            "shows medians with the interquartile range. Unless --steps "
-            "fixes them, the steps follow from the warm-up so that the run "
-            "takes about --budget seconds."
+            "step time, loss, accuracy and loss scaling. Building, "
+            "compiling and warming up come first, untimed, reported on a "
+            "line of their own. Then the steps run in interleaved rounds "
+            "(at least 5 rounds of 20 steps per configuration), timed in "
+            "blocks with one device sync per block; the table shows median "
+            "step times with the interquartile range, and every ratio with "
+            "a 95%% bootstrap interval, marked ! when wider than 10%%. "
+            "Unless --steps fixes them, the timed steps fill about "
+            "--budget seconds (never fewer than the minimum: the run then "
+            "says so and takes longer)."
         ),
     )
     parser.add_argument(
@@ -90,17 +99,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         type=positive_seconds,
         default=DEFAULT_BUDGET_SECONDS,
         metavar="SECONDS",
-        help="about how long the run takes, when --steps is not given "
-        "(default: %(default)g)",
+        help="about how long the timed steps and the evaluation take, "
+        "when --steps is not given; building, compiling and warming up "
+        "come on top (default: %(default)g)",
     )
     for flag, default, text in (
-        ("--steps", None, "timed steps per configuration (default: as "
-         "many as fit in --budget)"),
+        ("--steps", None, "timed steps per configuration, at least 20 per "
+         "round (default: as many as fit in --budget)"),
         ("--batch-size", None, "examples per step (default: the model's)"),
         ("--units", None, "the model's width: hidden units, filters or "
          "model width (default: the model's)"),
         ("--rounds", DEFAULT_ROUNDS, "interleaved rounds the steps are "
-         "split into (the most, without --steps) (default: %(default)s)"),
+         "split into, at least 5 (default: %(default)s)"),
         ("--warmup", DEFAULT_WARMUP_STEPS, "untimed steps per configuration "
          "after its first call (the most, without --steps) (default: "
          "%(default)s)"),
@@ -143,6 +153,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         action="store_true",
         help="measure each configuration's peak device memory (GPUs; JAX "
         "also on a CPU)",
+    )
+    parser.add_argument(
+        "--compilation-cache",
+        metavar="DIR",
+        default=None,
+        help="on JAX, keep compiled steps in this folder between runs, or "
+        "'none' (default: $KMP_JAX_CACHE_DIR, else ~/.cache/kmp/jax)",
     )
     parser.add_argument(
         "--json",
@@ -218,6 +235,13 @@ def _run_elsewhere(args, backend) -> int:
     )
 
 
+def _cache(value):
+    """--compilation-cache as `run_benchmark` takes it."""
+    if value is None:
+        return True
+    return False if value.lower() == "none" else value
+
+
 def _missing(text) -> int:
     print(f"kmp bench: {text}", file=sys.stderr)
     return 1
@@ -226,10 +250,17 @@ def _missing(text) -> int:
 def run(args: argparse.Namespace) -> int:
     """Runs `kmp bench` with parsed arguments; prints tables and summary."""
     parser = args.bench_parser
-    if args.steps is not None and args.rounds > args.steps:
+    if args.rounds < MIN_ROUNDS:
         parser.error(
-            f"argument --rounds: must be at most --steps ({args.steps}), "
-            f"got {args.rounds}"
+            f"argument --rounds: must be at least {MIN_ROUNDS}, got "
+            f"{args.rounds}: fewer rounds put no interval on a ratio"
+        )
+    fewest = MIN_ROUND_STEPS * args.rounds
+    if args.steps is not None and args.steps < fewest:
+        parser.error(
+            f"argument --steps: must be at least {fewest} ({args.rounds} "
+            f"rounds of {MIN_ROUND_STEPS}), got {args.steps}: kmp bench "
+            "prints no median of fewer steps"
         )
     backend = choose_backend(args.backend)
     if backend is None:
@@ -284,6 +315,7 @@ def run(args: argparse.Namespace) -> int:
         overhead=args.overhead,
         torch_amp=args.torch_amp,
         memory=args.memory,
+        compilation_cache=_cache(args.compilation_cache),
     )
     wall_seconds = time.perf_counter() - started
     print()
@@ -304,6 +336,13 @@ def run(args: argparse.Namespace) -> int:
             "batch_size": results[0]["batch_size"],
             "units": results[0]["units"],
             "rounds": results[0]["rounds"],
+            "blocks_per_round": results[0]["blocks_per_round"],
+            "compile_and_warmup_seconds": sum(
+                r["build_seconds"]
+                + r["first_call_seconds"]
+                + r["warmup_seconds"]
+                for r in results
+            ),
             "warmup_steps": args.warmup,
             "native": args.native,
             "overhead": args.overhead,

@@ -26,11 +26,24 @@ mixed_bfloat16 speed-up over float32 on the Transformer at least PyTorch
 AMP's bf16 autocast speed-up there, minus 10%.
 
     python run.py --wheelhouse wheelhouse --out gpu-results
+    python run.py --wheelhouse wheelhouse --out quick --quick   # < 8 min
     python run.py --out gpu-results --budget 300      # kmp already installed
     python run.py --device cpu --tiny --out /tmp/r    # a check that it runs
 
-`--device cpu --tiny` runs everything on the CPU with tiny models and one
-step per configuration: it checks the runner, its numbers mean nothing.
+`--quick`: the Transformer, then the MLP, on each backend, each `kmp
+bench` run twice back to back (the second finds JAX's compiled steps in
+its cache), without `--memory`, with a short budget (`kmp bench` never
+times fewer than 5 rounds of 20 steps per configuration); planned to end
+within `QUICK_SECONDS` of the start, the installation included: a run
+that would not fit is left out and says so. The report gives, per ratio,
+how far the second run is from the first (`agreement`).
+
+Results are written as each run finishes (`results.json`, `results.md`),
+so a run cut short keeps what it measured.
+
+`--device cpu --tiny` runs everything on the CPU with tiny models and the
+fewest steps: it checks the runner, its numbers mean nothing (it also runs
+on TensorFlow, for CI).
 """
 
 import argparse
@@ -43,9 +56,18 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 BACKENDS = ("jax", "torch")
-MODELS = ("mlp", "cnn", "transformer")
+# The Transformer and the MLP first: their ratios carry the goals.
+MODELS = ("transformer", "mlp", "cnn")
+QUICK_MODELS = ("transformer", "mlp")
+# --quick: the whole run, installing included, ends within this.
+QUICK_SECONDS = 8 * 60
+QUICK_OPTIONS = ["--budget", "8", "--warmup", "5"]
+# What a first run of each is planned to take before one was seen (s).
+_FIRST_GUESS = 90.0
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 # Never installed or upgraded here: what the machine came with.
 PINNED = ("jax", "jaxlib", "torch", "numpy", "ml-dtypes")
@@ -53,7 +75,17 @@ GOAL_OVERHEAD = 0.02
 GOAL_OVERHEAD_MODELS = ("mlp", "transformer")
 GOAL_BF16_MODEL = "transformer"
 GOAL_BF16_MARGIN = 0.10
-TINY = ["--size", "tiny", "--steps", "1", "--rounds", "1", "--warmup", "1"]
+TINY = ["--size", "tiny", "--steps", "100", "--warmup", "1"]
+# Ratio keys: those that are an overhead (ratio - 1) and the plain ratios.
+OVERHEAD_KEYS = ("overhead_kmp", "overhead_keras", "overhead_grad_scaler")
+RATIO_KEYS = (
+    "bf16_speedup_kmp",
+    "fp16_speedup_kmp",
+    "bf16_speedup_torch",
+    "fp16_speedup_torch",
+    "kmp_over_torch_bf16",
+    "kmp_over_torch_fp16",
+)
 
 
 # --- Installing ---------------------------------------------------------------
@@ -109,6 +141,13 @@ def install(wheelhouse, work, target=None, deps=True) -> dict:
 # --- The machine --------------------------------------------------------------
 
 _PROBES = {
+    "tensorflow": (
+        "import json, tensorflow as tf\n"
+        "gpus = tf.config.list_physical_devices('GPU')\n"
+        "print(json.dumps({'version': tf.__version__, "
+        "'platform': 'gpu' if gpus else 'cpu', "
+        "'devices': [d.name for d in gpus]}))\n"
+    ),
     "jax": (
         "import json, jax\n"
         "d = jax.devices()\n"
@@ -185,7 +224,9 @@ def policies_for(backend, model, device, policies=POLICIES):
     return list(policies)
 
 
-def bench_command(backend, model, policies, json_path, options) -> list:
+def bench_command(
+    backend, model, policies, json_path, options, memory=True
+) -> list:
     """The `kmp bench` command line of one run."""
     return [
         sys.executable,
@@ -199,21 +240,35 @@ def bench_command(backend, model, policies, json_path, options) -> list:
         "--policies",
         ",".join(policies),
         "--overhead",
-        "--memory",
+        *(["--memory"] if memory else []),
         "--json",
         str(json_path),
         *options,
     ]
 
 
-def run_bench(backend, model, out, device, options, policies=POLICIES):
+def run_bench(
+    backend,
+    model,
+    out,
+    device,
+    options,
+    policies=POLICIES,
+    name=None,
+    memory=True,
+    timeout=None,
+):
     """Runs one `kmp bench`, its output shown and kept in a log; returns
-    its JSON document, or `{"error": ...}` if it failed."""
+    its JSON document, or `{"error": ...}` if it failed or ran past
+    `timeout` seconds. `name`: the files' name (`backend-model`)."""
     chosen = policies_for(backend, model, device, policies)
-    json_path = out / f"{backend}-{model}.json"
-    command = bench_command(backend, model, chosen, json_path, options)
-    print(f"\n=== {backend}, {model}: {' '.join(command[2:])}", flush=True)
-    log_path = out / f"{backend}-{model}.log"
+    name = name or f"{backend}-{model}"
+    json_path = out / f"{name}.json"
+    command = bench_command(
+        backend, model, chosen, json_path, options, memory=memory
+    )
+    print(f"\n=== {name}: {' '.join(command[2:])}", flush=True)
+    log_path = out / f"{name}.log"
     env = dict(environment(device), KERAS_BACKEND=backend)
     with open(log_path, "w") as log:
         process = subprocess.Popen(
@@ -223,10 +278,19 @@ def run_bench(backend, model, out, device, options, policies=POLICIES):
             text=True,
             env=env,
         )
+        timer = None
+        if timeout is not None:
+            timer = threading.Timer(max(timeout, 0.0), process.kill)
+            timer.start()
         for line in process.stdout:
             sys.stdout.write(line)
             log.write(line)
         code = process.wait()
+        killed = timer is not None and not timer.is_alive() and code != 0
+        if timer is not None:
+            timer.cancel()
+    if killed:
+        return {"error": f"stopped after {timeout:.0f} s; see {log_path.name}"}
     if code != 0 or not json_path.exists():
         return {"error": f"exit code {code}; see {log_path.name}"}
     document = json.loads(json_path.read_text())
@@ -312,8 +376,59 @@ def ratios(backend, model, results) -> list:
                 results, "float32", loop, "kmp", "median_ms"
             ),
         }
+        for key, (policy, implementation, field) in _SOURCES.items():
+            row[f"{key}_ci"] = _get(
+                results, policy, loop, implementation, f"{field}_ci"
+            )
         rows.append(row)
     return rows
+
+
+# Where each ratio of `ratios` comes from: policy, implementation, field.
+_SOURCES = {
+    "bf16_speedup_kmp": ("mixed_bfloat16", "kmp", "speedup_vs_float32"),
+    "fp16_speedup_kmp": ("mixed_float16", "kmp", "speedup_vs_float32"),
+    "overhead_kmp": ("mixed_float16", "kmp", "loss_scaling_overhead"),
+    "overhead_keras": ("mixed_float16", "native", "loss_scaling_overhead"),
+    "bf16_speedup_torch": ("mixed_bfloat16", "torch", "speedup_vs_float32"),
+    "fp16_speedup_torch": ("mixed_float16", "torch", "speedup_vs_float32"),
+    "overhead_grad_scaler": (
+        "mixed_float16",
+        "torch",
+        "loss_scaling_overhead",
+    ),
+    "kmp_over_torch_bf16": ("mixed_bfloat16", "torch", "kmp_over_torch"),
+    "kmp_over_torch_fp16": ("mixed_float16", "torch", "kmp_over_torch"),
+}
+
+
+def agreement(first_rows, second_rows) -> list:
+    """How far a second run's ratios are from the first's: one dict per
+    ratio measured by both, with `relative_difference` = second / first -
+    1 (of the step-time ratio: an overhead counts as 1 + overhead)."""
+    second = {(r["backend"], r["model"], r["loop"]): r for r in second_rows}
+    pairs = []
+    for r in first_rows:
+        other = second.get((r["backend"], r["model"], r["loop"]))
+        if other is None:
+            continue
+        for key in (*RATIO_KEYS, *OVERHEAD_KEYS):
+            a, b = r.get(key), other.get(key)
+            if a is None or b is None:
+                continue
+            offset = 1.0 if key in OVERHEAD_KEYS else 0.0
+            pairs.append(
+                {
+                    "backend": r["backend"],
+                    "model": r["model"],
+                    "loop": r["loop"],
+                    "ratio": key,
+                    "first": a,
+                    "second": b,
+                    "relative_difference": (b + offset) / (a + offset) - 1,
+                }
+            )
+    return pairs
 
 
 def grad_scaler_overheads(rows) -> dict:
@@ -394,8 +509,19 @@ def _number(value, pattern):
     return "-" if value is None else pattern.format(value)
 
 
-def markdown(rows, checks, header_lines) -> str:
-    """The ratios and the goals as Markdown."""
+def _with_interval(row, key, pattern):
+    text = _number(row.get(key), pattern)
+    interval = row.get(f"{key}_ci")
+    if interval is None or row.get(key) is None:
+        return text
+    return (
+        f"{text} [{pattern.format(interval[0])}, {pattern.format(interval[1])}]"
+    )
+
+
+def markdown(rows, checks, header_lines, pairs=()) -> str:
+    """The ratios, the goals and, for runs made twice, how far the second
+    is from the first, as Markdown."""
     lines = ["# kmp on a GPU", "", *header_lines, ""]
     lines += [
         "## Ratios (each measured inside one kmp bench run)",
@@ -404,7 +530,8 @@ def markdown(rows, checks, header_lines) -> str:
         "PyTorch AMP against plain PyTorch float32); overhead: the loss-"
         "scaled mixed_float16 step / the same without loss scaling, minus "
         "one; kmp / AMP: kmp's step time over PyTorch AMP's; peak: device "
-        "memory of kmp's steps (MB).",
+        "memory of kmp's steps (MB). In brackets: the 95% interval kmp "
+        "bench gives (bootstrap over rounds and blocks).",
         "",
         "| backend | model | loop | float32 ms | bf16 speed-up kmp | AMP "
         "| fp16 speed-up kmp | AMP | overhead kmp | Keras LSO | GradScaler "
@@ -421,15 +548,15 @@ def markdown(rows, checks, header_lines) -> str:
             r["model"],
             r["loop"],
             _number(r["median_ms_float32"], "{:.2f}"),
-            _number(r["bf16_speedup_kmp"], "{:.2f}x"),
-            _number(r["bf16_speedup_torch"], "{:.2f}x"),
-            _number(r["fp16_speedup_kmp"], "{:.2f}x"),
-            _number(r["fp16_speedup_torch"], "{:.2f}x"),
-            _number(r["overhead_kmp"], "{:+.1%}"),
-            _number(r["overhead_keras"], "{:+.1%}"),
-            _number(r["overhead_grad_scaler"], "{:+.1%}"),
-            _number(r["kmp_over_torch_bf16"], "{:.2f}"),
-            _number(r["kmp_over_torch_fp16"], "{:.2f}"),
+            _with_interval(r, "bf16_speedup_kmp", "{:.2f}x"),
+            _with_interval(r, "bf16_speedup_torch", "{:.2f}x"),
+            _with_interval(r, "fp16_speedup_kmp", "{:.2f}x"),
+            _with_interval(r, "fp16_speedup_torch", "{:.2f}x"),
+            _with_interval(r, "overhead_kmp", "{:+.1%}"),
+            _with_interval(r, "overhead_keras", "{:+.1%}"),
+            _with_interval(r, "overhead_grad_scaler", "{:+.1%}"),
+            _with_interval(r, "kmp_over_torch_bf16", "{:.2f}"),
+            _with_interval(r, "kmp_over_torch_fp16", "{:.2f}"),
             peaks,
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -444,10 +571,30 @@ def markdown(rows, checks, header_lines) -> str:
             f"{_number(c['measured'], pattern)} | "
             f"{_number(c['target'], pattern)} | {met} |"
         )
+    if pairs:
+        lines += [
+            "",
+            "## Two back-to-back runs",
+            "",
+            "Each kmp bench run twice in a row: a ratio's second value "
+            "over its first, minus one (an overhead as 1 + overhead).",
+            "",
+            "| backend | model | loop | ratio | first | second | difference |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for p in pairs:
+            percent = p["ratio"] in OVERHEAD_KEYS
+            pattern = "{:+.1%}" if percent else "{:.3f}"
+            lines.append(
+                f"| {p['backend']} | {p['model']} | {p['loop']} | "
+                f"{p['ratio']} | {pattern.format(p['first'])} | "
+                f"{pattern.format(p['second'])} | "
+                f"{p['relative_difference']:+.1%} |"
+            )
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def _parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="the results folder")
     parser.add_argument(
@@ -457,12 +604,17 @@ def main(argv=None) -> int:
         "--backends", default=",".join(BACKENDS), help="(default: %(default)s)"
     )
     parser.add_argument(
-        "--models", default=",".join(MODELS), help="(default: %(default)s)"
+        "--models",
+        help=f"(default: {','.join(MODELS)}; --quick: "
+        f"{','.join(QUICK_MODELS)})",
     )
     parser.add_argument(
         "--policies",
         default=",".join(POLICIES),
         help="(default: %(default)s; the goals need all three)",
+    )
+    parser.add_argument(
+        "--loops", default="fit,custom", help="(default: %(default)s)"
     )
     parser.add_argument(
         "--device",
@@ -473,8 +625,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--budget",
         type=float,
-        default=180.0,
-        help="seconds per kmp bench run (default: %(default)g)",
+        help="kmp bench --budget: seconds for each run's timed steps, "
+        "compiling and warming up come on top (default: 180; --quick: 8)",
     )
     parser.add_argument(
         "--steps", type=int, help="fixed timed steps (instead of --budget)"
@@ -482,14 +634,64 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--tiny",
         action="store_true",
-        help="tiny models, one step each: checks that everything runs",
+        help="tiny models, the fewest steps: checks that everything runs",
     )
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the Transformer and the MLP, each run twice, within "
+        f"{QUICK_SECONDS // 60} minutes in all",
+    )
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        help="seconds from the start that the whole run must end within "
+        f"(default: {QUICK_SECONDS} with --quick, else none)",
+    )
+    return parser
+
+
+def _options(args):
+    if args.tiny:
+        options = list(TINY)
+    elif args.quick and args.budget is None:
+        options = list(QUICK_OPTIONS)
+    else:
+        budget = 180.0 if args.budget is None else args.budget
+        options = ["--budget", f"{budget:g}"]
+    if args.steps:
+        options += ["--steps", str(args.steps)]
+    if args.loops != "fit,custom":
+        options += ["--loops", args.loops]
+    return options
+
+
+def plan(backends, models, repeats):
+    """`(backend, model, name)` of every run, in order: model by model
+    (the first models first), each backend's runs back to back."""
+    runs = []
+    for model in models:
+        for backend in backends:
+            for index in range(repeats):
+                name = f"{backend}-{model}"
+                runs.append((backend, model, f"{name}-{index + 1}"))
+    if repeats == 1:
+        runs = [(b, m, name[: -len("-1")]) for b, m, name in runs]
+    return runs
+
+
+def main(argv=None) -> int:
+    started = time.monotonic()
+    args = _parser().parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     backends = args.backends.split(",")
-    models = args.models.split(",")
+    default_models = QUICK_MODELS if args.quick else MODELS
+    models = (args.models or ",".join(default_models)).split(",")
     policies = args.policies.split(",")
+    deadline = args.deadline
+    if deadline is None and args.quick:
+        deadline = float(QUICK_SECONDS)
     pinned = installed_versions()
     if args.wheelhouse:
         pinned = install(args.wheelhouse, out)
@@ -502,22 +704,77 @@ def main(argv=None) -> int:
         "pinned": pinned,
         **check_devices(backends, args.device),
     }
-    options = list(TINY) if args.tiny else ["--budget", str(args.budget)]
-    if args.steps:
-        options += ["--steps", str(args.steps)]
-    runs, rows = {}, []
-    for backend in backends:
-        for model in models:
-            document = run_bench(
-                backend, model, out, args.device, options, policies
+    options = _options(args)
+    repeats = 2 if args.quick else 1
+    runs_planned = plan(backends, models, repeats)
+    print(
+        f"Plan: {len(runs_planned)} kmp bench runs "
+        f"({', '.join(name for _, _, name in runs_planned)}), "
+        f"kmp bench {' '.join(options)}"
+        + (
+            f"; everything ends within {deadline:.0f} s of the start "
+            "(a run that would not fit is left out)."
+            if deadline
+            else "."
+        ),
+        flush=True,
+    )
+    runs, durations, skipped = {}, {}, []
+    memory = not args.quick
+    for backend, model, name in runs_planned:
+        timeout = None
+        if deadline:
+            left = deadline - (time.monotonic() - started)
+            expected = durations.get((backend, model), _FIRST_GUESS)
+            if expected > left:
+                skipped.append(name)
+                print(
+                    f"\n=== {name}: left out, about {expected:.0f} s would "
+                    f"not fit in the {left:.0f} s left",
+                    flush=True,
+                )
+                continue
+            timeout = left
+        begun = time.monotonic()
+        document = run_bench(
+            backend,
+            model,
+            out,
+            args.device,
+            options,
+            policies,
+            name=name,
+            memory=memory,
+            timeout=timeout,
+        )
+        durations.setdefault((backend, model), time.monotonic() - begun)
+        runs[name] = document
+        _write(out, machine, options, runs, skipped, repeats)
+    _write(out, machine, options, runs, skipped, repeats)
+    failed = [name for name, document in runs.items() if "error" in document]
+    print(f"\nWrote {out / 'results.md'} and {out / 'results.json'}")
+    print(f"Wall time: {time.monotonic() - started:.0f} s.")
+    return 1 if failed or skipped and not runs else 0
+
+
+def _write(out, machine, options, runs, skipped, repeats):
+    """Writes results.json and results.md from the runs so far."""
+    rows, seconds = [], []
+    for name, document in runs.items():
+        if "results" not in document:
+            continue
+        backend, model = document["settings"]["backend"], name.split("-")[1]
+        for row in ratios(backend, model, document["results"]):
+            row["run"] = name
+            (seconds if repeats == 2 and name.endswith("-2") else rows).append(
+                row
             )
-            runs[f"{backend}-{model}"] = document
-            if "results" in document:
-                rows += ratios(backend, model, document["results"])
+    pairs = agreement(rows, seconds)
     checks = goals(rows)
+    pinned = machine["pinned"]
     header = [
         f"{machine['date']}; {machine['nvidia-smi'] or 'no nvidia-smi'}; "
-        f"device {args.device}; Python {machine['python']}; "
+        f"device {machine['device']}; Python {machine['python']}; "
         + ", ".join(f"{k} {v}" for k, v in pinned.items())
         + f"; kmp bench {' '.join(options)}."
     ]
@@ -526,16 +783,22 @@ def main(argv=None) -> int:
         for name, document in runs.items()
         if document.get("error") or document.get("note")
     ]
-    text = markdown(rows, checks, header)
+    if skipped:
+        header.append(f"Left out to end in time: {', '.join(skipped)}.")
+    text = markdown(rows, checks, header, pairs)
     (out / "results.md").write_text(text)
-    summary = {"machine": machine, "ratios": rows, "goals": checks}
+    summary = {
+        "machine": machine,
+        "ratios": rows,
+        "second_run_ratios": seconds,
+        "agreement": pairs,
+        "goals": checks,
+        "skipped": skipped,
+    }
     (out / "results.json").write_text(
         json.dumps({**summary, "runs": runs}, indent=2) + "\n"
     )
-    print("\n" + text)
-    print(f"Wrote {out / 'results.md'} and {out / 'results.json'}")
-    failed = [name for name, document in runs.items() if "error" in document]
-    return 1 if failed else 0
+    print("\n" + text, flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ modules; a part written per backend is named after it (`tensorflow.py`,
   data (`run`, `data`, `probe`, `gradients`, `stats`, `report`, `plot`;
   `backend` picks the gradients' per-backend part);
 - `bench/`: `kmp bench`, policies timed and compared on one model (`run`,
-  `models`, `plan`, `configuration`, `report`; the steps per backend),
+  `models`, `plan`, `configuration`, `rounds`, `stats`, `report`; the
+  steps per backend),
   with `timing`, the toolkit `benchmarks/` uses too;
 - `monitor/`: `kmp.callbacks.LossScaleMonitor`, the loss scale in `fit`'s
   logs (`callback`; `output`: TensorBoard and CSV);

@@ -101,7 +101,7 @@ def test_kmp_installs_from_a_wheelhouse_without_an_index(tmp_path):
     pinned = run.install(wheelhouse, tmp_path, target=target, deps=False)
     assert (target / "kmp" / "__init__.py").exists()
     assert (target / "kmp_cli" / "bench.py").exists()
-    assert (target / "kmp" / "tools" / "torch_bench.py").exists()
+    assert (target / "kmp" / "tools" / "bench" / "torch.py").exists()
     # What the machine came with is pinned, numpy at least.
     constraints = (tmp_path / "constraints.txt").read_text()
     assert f"numpy=={pinned['numpy']}" in constraints
@@ -246,3 +246,98 @@ def test_jax_transformer_on_a_cpu_runs_without_float16():
     ]
     assert run.policies_for("jax", "transformer", "gpu") == list(run.POLICIES)
     assert run.policies_for("torch", "transformer", "cpu") == list(run.POLICIES)
+
+
+# --- --quick ---------------------------------------------------------------
+
+
+def test_quick_runs_each_bench_twice_and_says_how_far_they_agree(tmp_path):
+    """On this environment's backend (TensorFlow too: CI), tiny, custom
+    loop only: two kmp bench runs back to back, written as they finish."""
+    backend = keras.backend.backend()
+    completed = subprocess.run(
+        [
+            sys.executable,
+            str(GPU / "run.py"),
+            "--quick",
+            "--device",
+            "cpu",
+            "--tiny",
+            "--backends",
+            backend,
+            "--models",
+            "mlp",
+            "--policies",
+            "float32,mixed_float16",
+            "--loops",
+            "custom",
+            "--deadline",
+            "600",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        timeout=900,
+    )
+    assert completed.returncode == 0, (
+        completed.stdout[-3000:] + completed.stderr[-3000:]
+    )
+    assert "Plan: 2 kmp bench runs" in completed.stdout
+    summary = json.loads((tmp_path / "results.json").read_text())
+    assert list(summary["runs"]) == [f"{backend}-mlp-1", f"{backend}-mlp-2"]
+    assert summary["skipped"] == []
+    for name in summary["runs"]:
+        document = json.loads((tmp_path / f"{name}.json").read_text())
+        assert {r["steps"] for r in document["results"]} == {100}
+        assert "--memory" not in (tmp_path / f"{name}.log").read_text()
+    (first,) = summary["ratios"]
+    (second,) = summary["second_run_ratios"]
+    assert first["loop"] == second["loop"] == "custom"
+    low, high = first["overhead_kmp_ci"]
+    assert low <= first["overhead_kmp"] <= high
+    pairs = {p["ratio"]: p for p in summary["agreement"]}
+    assert {"fp16_speedup_kmp", "overhead_kmp", "overhead_keras"} <= set(pairs)
+    pair = pairs["fp16_speedup_kmp"]
+    assert pair["relative_difference"] == pytest.approx(
+        pair["second"] / pair["first"] - 1
+    )
+    assert "## Two back-to-back runs" in (tmp_path / "results.md").read_text()
+
+
+def test_quick_leaves_out_what_does_not_fit(tmp_path):
+    backend = keras.backend.backend()
+    code = run.main(
+        [
+            "--quick",
+            "--device",
+            "cpu",
+            "--tiny",
+            "--backends",
+            backend,
+            "--deadline",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert code == 1
+    summary = json.loads((tmp_path / "results.json").read_text())
+    assert summary["runs"] == {}
+    assert summary["skipped"] == [
+        f"{backend}-{model}-{index}"
+        for model in run.QUICK_MODELS
+        for index in (1, 2)
+    ]
+    assert "Left out to end in time" in (tmp_path / "results.md").read_text()
+
+
+def test_plan_puts_the_transformer_and_the_mlp_first():
+    assert run.MODELS[:2] == run.QUICK_MODELS == ("transformer", "mlp")
+    assert run.plan(["jax", "torch"], ["transformer"], 2) == [
+        ("jax", "transformer", "jax-transformer-1"),
+        ("jax", "transformer", "jax-transformer-2"),
+        ("torch", "transformer", "torch-transformer-1"),
+        ("torch", "transformer", "torch-transformer-2"),
+    ]

@@ -23,14 +23,15 @@ import kmp_cli.bench
 from kmp.tools.bench import models as bench_models
 from kmp.tools.bench import report as bench_report
 from kmp.tools.bench import run as bench
+from kmp.tools.bench import stats as bench_stats
 from kmp_cli import main
 from tests.support import backends
 
 TINY = [
     "--steps",
-    "4",
+    "100",
     "--rounds",
-    "2",
+    "5",
     "--warmup",
     "2",
     "--units",
@@ -40,7 +41,7 @@ TINY = [
 ]
 # Every configuration's steps: its first call, --warmup more, one untimed
 # step per round, then --steps timed ones.
-STEPS_RUN = 1 + 2 + 2 + 4
+STEPS_RUN = 1 + 2 + 5 + 100
 KMP_ROWS = [
     (policy, loop)
     for policy in bench.DEFAULT_POLICIES
@@ -87,6 +88,13 @@ def _tables(text):
         elif not set(line) <= set("|-"):
             current[1].append(dict(zip(current[0], cells)))
     return tables
+
+
+def _ratio_cell(cell):
+    """'1.23 [1.10, 1.40] !' -> (1.23, 1.10, 1.40)."""
+    value, interval = cell.rstrip(" !").split(" [")
+    low, high = interval.rstrip("]").split(", ")
+    return float(value), float(low), float(high)
 
 
 def _median_cell(cell):
@@ -146,7 +154,8 @@ def test_table_numbers_parse(full_run):
         for row in rows:
             median, low, high = _median_cell(row["ms/step (median)"])
             assert 0 < low <= median <= high
-            assert float(row["speed-up vs float32"]) > 0
+            ratio, low, high = _ratio_cell(row["speed-up vs float32"])
+            assert 0 < low <= ratio <= high
             assert float(row["samples/s"]) > 0
             assert math.isfinite(float(row["final loss"]))
             assert 0 <= float(row["test accuracy"].rstrip("%")) <= 100
@@ -156,17 +165,20 @@ def test_table_numbers_parse(full_run):
             else:
                 assert row["final loss scale"] == row["skipped steps"] == "-"
     for row in tables[1][1]:
-        assert float(row["kmp / native"]) > 0
+        ratio, low, high = _ratio_cell(row["kmp / native"])
+        assert 0 < low <= ratio <= high
     for row in tables[2][1] if backends.TORCH else []:
-        assert float(row["kmp / PyTorch AMP"]) > 0
+        ratio, low, high = _ratio_cell(row["kmp / PyTorch AMP"])
+        assert 0 < low <= ratio <= high
 
 
 def test_float32_speedup_is_one(full_run):
     tables = _tables(full_run["output"])
     float32 = [r for r in tables[0][1] if r["policy"] == "float32"]
-    assert [r["speed-up vs float32"] for r in float32] == ["1.00", "1.00"]
+    one = "1.00 [1.00, 1.00]"
+    assert [r["speed-up vs float32"] for r in float32] == [one, one]
     if backends.TORCH:  # Against plain PyTorch's own float32.
-        assert tables[2][1][0]["speed-up vs float32"] == "1.00"
+        assert tables[2][1][0]["speed-up vs float32"] == one
 
 
 def test_summary_compares_with_float32_and_native(full_run):
@@ -180,20 +192,35 @@ def test_summary_compares_with_float32_and_native(full_run):
         assert "plain PyTorch AMP's" in output
 
 
-def test_progress_is_shown_with_bars(full_run):
+def test_progress_is_shown_with_a_line_per_bar(full_run):
     output = full_run["output"]
     backend = keras.backend.backend()
     assert (
         "kmp bench: digits: 64-8-8-10 MLP on the digits, batch 16; Keras on "
         f"{backend}" in output
     )
-    assert "Building and warming up every configuration..." in output
-    # Keras's progress bars: configurations, then every step of them all.
-    assert f"{CONFIGURATIONS}/{CONFIGURATIONS}" in output
-    steps = CONFIGURATIONS * (4 + 2)
-    assert f"{steps}/{steps}" in output and "/step" in output
-    assert "━" in output
+    assert "Building, compiling and warming up every configuration..." in (
+        output
+    )
+    assert "Compilation and warm-up (untimed, not in the budget): " in output
+    assert "Timing 100 steps per configuration in 5 rounds of 4 blocks" in (
+        output
+    )
+    # Not a terminal: Keras's progress bars print once, when done, as fit's
+    # do in a log (not one update per step: thousands in a CI log).
+    assert output.count(f"{CONFIGURATIONS}/{CONFIGURATIONS} - ") == 1
+    steps = CONFIGURATIONS * (100 + 5)
+    assert output.count(f"/{steps}") == 1
+    assert f"{steps}/{steps} - " in output and "/step" in output
+    assert "\r" not in output and "━" not in output
     assert "Time budget" not in output  # --steps fixes the steps.
+
+
+def test_a_one_step_median_is_refused(capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(["bench", "--steps", "1", "--rounds", "5"])
+    assert raised.value.code == 2
+    assert "prints no median of fewer steps" in capsys.readouterr().err
 
 
 # --- --json and --plot -------------------------------------------------------
@@ -209,7 +236,9 @@ def test_json_holds_machine_info_and_settings(full_run):
         assert isinstance(machine[key], str) and machine[key]
     settings = document["settings"]
     assert settings["backend"] == backend
-    assert settings["steps"] == 4 and settings["rounds"] == 2
+    assert settings["steps"] == 100 and settings["rounds"] == 5
+    assert settings["blocks_per_round"] == 4
+    assert settings["compile_and_warmup_seconds"] > 0
     assert settings["steps_fixed"] is True
     assert settings["policies"] == list(bench.DEFAULT_POLICIES)
     assert document["summary"] == bench_report.summarize(document["results"])
@@ -224,8 +253,10 @@ def test_json_holds_every_configuration_and_its_measurements(full_run):
         (p, loop, "native") for p, loop in NATIVE_ROWS
     ] + [(p, loop, "torch") for p, loop in TORCH_ROWS]
     for r in results:
-        times = r["step_times_ms"]
-        assert len(times) == r["steps"] == 4
+        blocks = r["block_times_ms"]
+        assert r["steps"] == 100 and r["rounds"] == len(blocks) == 5
+        assert {len(round_) for round_ in blocks} == {4}
+        times = [t for round_ in blocks for t in round_]
         assert r["median_ms"] == pytest.approx(statistics.median(times))
         assert r["min_ms"] <= r["q1_ms"] <= r["median_ms"] <= r["q3_ms"]
         assert r["q3_ms"] <= r["max_ms"]
@@ -343,14 +374,16 @@ def test_without_steps_the_run_follows_the_budget(tmp_path):
         ]
     )
     assert code == 0
-    assert "Time budget: 1 s (--budget)" in output
-    assert " per configuration in " in output
+    assert "Time budget for the timed steps: 1 s (--budget)" in output
+    assert "The budget (1 s) cannot hold 5 rounds of 20 timed steps" in (output)
+    assert "Timing 100 steps per configuration in 5 rounds" in output
     document = json.loads(path.read_text())
     settings = document["settings"]
     assert settings["steps_fixed"] is False
     assert settings["budget_seconds"] == 1.0
     (result,) = document["results"]
-    assert settings["steps"] == result["steps"] >= result["rounds"] >= 1
+    assert settings["steps"] == result["steps"] == 100
+    assert result["rounds"] == 5
 
 
 def test_a_gpu_model_with_the_loss_scaling_overhead():
@@ -362,9 +395,7 @@ def test_a_gpu_model_with_the_loss_scaling_overhead():
             "--size",
             "tiny",
             "--steps",
-            "1",
-            "--rounds",
-            "1",
+            "100",
             "--warmup",
             "1",
             "--policies",
@@ -397,7 +428,8 @@ def test_a_gpu_model_with_the_loss_scaling_overhead():
         (["--steps", "ten"], "--steps: must be a positive integer"),
         (["--batch-size", "-4"], "--batch-size: must be a positive integer"),
         (["--units", "0"], "--units: must be a positive integer"),
-        (["--steps", "2", "--rounds", "3"], "--rounds: must be at most"),
+        (["--rounds", "3"], "--rounds: must be at least 5"),
+        (["--steps", "99"], "--steps: must be at least 100"),
         (["--budget", "0"], "--budget: must be a number of seconds > 0"),
         (["--budget", "soon"], "--budget: must be a number of seconds > 0"),
         (["--model", "resnet"], "--model: invalid choice: 'resnet'"),
@@ -415,7 +447,8 @@ def test_a_gpu_model_with_the_loss_scaling_overhead():
         "non_integer_steps",
         "negative_batch_size",
         "zero_units",
-        "more_rounds_than_steps",
+        "too_few_rounds",
+        "too_few_steps",
         "zero_budget",
         "budget_not_a_number",
         "unknown_model",
@@ -460,6 +493,8 @@ def test_the_command_line_defaults_are_run_benchmarks():
         assert getattr(kmp_cli.bench, f"DEFAULT_{name}") == getattr(
             bench, f"DEFAULT_{name}"
         )
+    assert kmp_cli.bench.MIN_ROUNDS == bench_stats.MIN_ROUNDS
+    assert kmp_cli.bench.MIN_ROUND_STEPS == bench_stats.MIN_ROUND_STEPS
 
 
 # --- Which backend -----------------------------------------------------------
@@ -536,7 +571,7 @@ def test_backend_is_used_before_keras_is_imported():
         "import sys, kmp_cli\n"
         f"code = kmp_cli.main(['bench', '--backend', {this!r}, "
         "'--policies', 'float32', '--loops', 'custom', '--no-native', "
-        "'--no-torch-amp', '--steps', '1', '--rounds', '1', '--warmup', '1', "
+        "'--no-torch-amp', '--steps', '100', '--warmup', '1', "
         "'--units', '4', '--batch-size', '8', '--quiet'])\n"
         "import keras\n"
         "print('ran on', keras.backend.backend())\n"

@@ -56,7 +56,12 @@ class Configuration:
         protocol: How the custom loop scales the loss: `"kmp"`, `"native"`
             or `"plain"`.
         steps_run: Steps run so far; the next step trains on that batch.
-        losses, loss_scales, skipped_at, step_seconds: The record.
+        losses, loss_scales, skipped_at: The record (a loss per step; the
+            loss scale and the skips are read after every block, so a
+            timed step shows its block's last scale, a skip its block's
+            last step).
+        block_seconds: Per round, every timed block's time per step.
+        timed_steps: Timed steps so far.
         peak_bytes: Device memory the steps needed (None if not measured).
     """
 
@@ -75,7 +80,8 @@ class Configuration:
         # Plain PyTorch AMP casts by itself: a float32 model under autocast.
         model_policy = "float32" if on_torch_amp else policy
         self.model = bench_models.build_model(spec, model_policy)
-        inner = keras.optimizers.Adam(learning_rate=1e-3)
+        self.learning_rate = spec.learning_rate
+        inner = keras.optimizers.Adam(learning_rate=spec.learning_rate)
         if on_torch_amp:
             self.optimizer = None
         elif not self.loss_scaled:
@@ -86,31 +92,67 @@ class Configuration:
             self.optimizer = keras.optimizers.LossScaleOptimizer(inner)
         self.loss_fn = keras.losses.SparseCategoricalCrossentropy()
         self.label = f"{policy} / {LOOP_WORDS[loop]} / {implementation}"
-        self.step_seconds = []  # Timed steps only.
+        # Per round, each timed block's time per step.
+        self.block_seconds = []
+        self.timed_steps = 0
         self.losses = []  # Every step's batch loss, warm-up included.
-        self.loss_scales = []  # The scale after every step, when loss-scaled.
+        # The scale after every step's block, when loss-scaled.
+        self.loss_scales = []
         self.skipped_at = []  # The (1-based) steps that were skipped.
         self.peak_bytes = None
+        self.build_seconds = 0.0  # Set by bench: building, and compiling.
+        self.warmup_seconds = 0.0  # The warm-up steps after the first call.
         self._skipped_so_far = 0
         self.steps_run = 0
         self._step = backend_module().make_step(self, batches)
 
     def step(self):
-        """Runs the next training step; returns its loss (a tensor)."""
-        return self._step.run()
-
-    def record(self, loss, seconds, timed):
-        """Keeps what one step did (called after it, off the clock)."""
-        self.losses.append(float(loss))
-        if timed:
-            self.step_seconds.append(seconds)
+        """Runs the next training step; returns its loss (a tensor, maybe
+        not computed yet: `sync` waits for it)."""
+        loss = self._step.run()
         self.steps_run += 1
-        self._step.after_step()
+        return loss
+
+    def sync(self, loss):
+        """Waits until the device has finished the steps run so far (`loss`:
+        the last one's)."""
+        self._step.sync(loss)
+
+    def record(self, losses, block_seconds=None, round_index=None):
+        """Keeps what a block of steps did (called after `sync`, off the
+        clock).
+
+        Args:
+            losses: The block's losses, as its steps returned them.
+            block_seconds: The block's time, if it was timed.
+            round_index: The round of a timed block.
+        """
+        values = [float(np.asarray(loss)) for loss in losses]
+        if self.loop == "fit":
+            # fit logs the loss averaged since the metrics were last reset
+            # (at the end of the block before): recover each step's.
+            values = [
+                index * mean - (index - 1) * before
+                for index, (mean, before) in enumerate(
+                    zip(values, [0.0] + values[:-1]), start=1
+                )
+            ]
+        self.losses.extend(values)
+        if block_seconds is not None:
+            per_step = block_seconds / len(losses)
+            while len(self.block_seconds) <= round_index:
+                self.block_seconds.append([])
+            self.block_seconds[round_index].append(per_step)
+            self.timed_steps += len(losses)
+        self._step.after_block()
         if self.loss_scaled:
-            self.loss_scales.append(self.current_loss_scale())
+            # Read once per block: the scale after its last step.
+            self.loss_scales.extend([self.current_loss_scale()] * len(losses))
             skipped = self.skipped_steps()
             if skipped > self._skipped_so_far:
-                self.skipped_at.append(self.steps_run)
+                # Where in the block is not known: at its last step.
+                new = skipped - self._skipped_so_far
+                self.skipped_at.extend([self.steps_run] * new)
                 self._skipped_so_far = skipped
 
     def finish(self):

@@ -13,12 +13,16 @@ unscales. The `fit` rows time the jitted train function `fit` runs for every
 batch (`model.make_train_function()`), with the state `fit` holds between
 steps, on batches already on the device.
 
+Compiled steps are kept in JAX's persistent compilation cache
+(`enable_compilation_cache`), so that a second run compiles less.
+
 With `memory`, a configuration's `peak_bytes` is what XLA allocates for one
 step of the compiled function: its arguments, outputs and temporaries,
 less the donated buffers (`memory_analysis()` of the compiled step).
 """
 
 import contextlib
+import os
 
 import jax
 import numpy as np
@@ -28,6 +32,36 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 def device() -> str:
     """`"gpu"` if JAX computes on a GPU, else `"cpu"`."""
     return "gpu" if jax.default_backend() == "gpu" else "cpu"
+
+
+def compilation_cache_dir() -> str:
+    """Where `kmp bench` keeps JAX's compiled steps by default:
+    `$KMP_JAX_CACHE_DIR`, else `kmp/jax` in `$XDG_CACHE_HOME` (else
+    `~/.cache`)."""
+    if os.environ.get("KMP_JAX_CACHE_DIR"):
+        return os.environ["KMP_JAX_CACHE_DIR"]
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".cache"
+    )
+    return os.path.join(root, "kmp", "jax")
+
+
+def enable_compilation_cache(directory=None) -> str:
+    """Turns JAX's persistent compilation cache on, in `directory` (None:
+    `compilation_cache_dir()`), unless JAX was given a folder already
+    (`jax_compilation_cache_dir`): that one is kept. Returns the folder.
+
+    JAX keeps only compilations that took a second or more (its
+    `jax_persistent_cache_min_compile_time_secs`), so tiny models leave
+    the folder alone.
+    """
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return current
+    directory = directory or compilation_cache_dir()
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    return directory
 
 
 def context(configuration):
@@ -62,8 +96,13 @@ class _Step:
         self._batches = batches
         self._positions = None
 
-    def after_step(self):
+    def after_block(self):
         pass
+
+    def sync(self, loss):
+        """Waits for the steps so far: `block_until_ready` on the last
+        loss and the state."""
+        jax.block_until_ready((loss, self._state))
 
     def value_of(self, variable):
         """An optimizer variable's value in the state, as NumPy."""
@@ -190,13 +229,19 @@ class _FitStep(_Step):
         logs, self._state = self._train_function(self._state, iter([data]))
         return logs["loss"]
 
-    def after_step(self):
+    def after_block(self):
         # fit logs the loss averaged since the last reset: start the next
-        # step's average afresh.
+        # block's average afresh (`Configuration.record`).
         self._state = (
             *self._state[:3],
             [jax.numpy.zeros_like(v) for v in self._fresh_metrics],
         )
 
 
-__all__ = ["context", "device", "make_step"]
+__all__ = [
+    "compilation_cache_dir",
+    "context",
+    "device",
+    "enable_compilation_cache",
+    "make_step",
+]

@@ -1,12 +1,19 @@
 """The models `kmp bench` trains, their sizes and their data.
 
 * `digits` (the default): scikit-learn's bundled 8x8 digits, 75/25 split,
-  through Dense -> Dense -> Dense logits; 2048 units and batch 256 make the
-  matrix products large enough for 16-bit compute to matter on a CPU.
+  through Dense -> Dense -> Dense logits; 1024 units (2048 at `large`, on
+  a GPU) and batch 256 make the matrix products large enough for 16-bit
+  compute to matter on a CPU, and small enough that the fewest timed steps
+  of every configuration fit in about two minutes on a 2-core CPU.
 * `mlp`, `cnn`, `transformer`: generated data whose labels a fixed rule
-  gives (so that accuracy means something), in three sizes: `large`, sized
-  for a GPU (compute-bound steps of several milliseconds), `small`, for a
-  CPU, and `tiny`, for tests. `auto` is `large` with a GPU, else `small`.
+  of the inputs gives, drawn so that the classes are learnable within a
+  run (so that loss and accuracy mean something), in three sizes: `large`,
+  sized for a GPU (compute-bound steps of several milliseconds), `small`,
+  for a CPU, and `tiny`, for tests. `auto` is `large` with a GPU, else
+  `small`.
+
+Every model trains with Adam at `ModelSpec.learning_rate`: 1e-3, lower for
+wide layers (`learning_rate`), where 1e-3 makes training diverge.
 
 Every model ends in a float32 softmax (`Activation("softmax",
 dtype="float32")`), as mixed precision wants, and is built under the policy
@@ -39,7 +46,7 @@ _SEED = 0
 _SIZES = {
     "digits": {
         "large": {"width": 2048, "batch_size": 256},
-        "small": {"width": 2048, "batch_size": 256},
+        "small": {"width": 1024, "batch_size": 256},
         "tiny": {"width": 8, "batch_size": 16},
     },
     "mlp": {
@@ -81,6 +88,14 @@ _SIZES = {
 }
 # Generated data sets: this many batches to train on, a quarter to test.
 _GENERATED_BATCHES = 16
+# Learning rates: this over the width, at most 1e-3 (`learning_rate`).
+_MLP_LR_WIDTH = 0.08192
+_TRANSFORMER_LR_WIDTH = 0.1
+# How far each class's inputs are pushed its own way (`load_data`).
+_MLP_MARGIN = 4.0
+_CNN_COLOUR = 0.7
+_MARKERS_PER_CLASS = 8
+_MARKER_SHARE = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +108,7 @@ class ModelSpec:
         width: Hidden units, filters or model width (see the module).
         batch_size: Examples per training step.
         dimensions: The model's other dimensions (inputs, image, length...).
+        learning_rate: Adam's learning rate (`learning_rate`).
     """
 
     name: str
@@ -100,6 +116,28 @@ class ModelSpec:
     width: int
     batch_size: int
     dimensions: Dict[str, int] = dataclasses.field(default_factory=dict)
+    learning_rate: float = 1e-3
+
+
+def learning_rate(name: str, width: int) -> float:
+    """Adam's learning rate for model `name` at `width`.
+
+    Adam first moves every weight by about its learning rate, all in the
+    direction that lowers the loss, so a layer's outputs move by about the
+    learning rate times its fan-in: 1e-3 on the 8192-unit MLP moves them by
+    several times their size at every step, and training diverges. The
+    MLP and the transformer scale it down with their width (at most 1e-3);
+    the digits and the CNN (3x3 convolutions: small fan-ins) keep 1e-3.
+
+    >>> learning_rate("mlp", 8192)
+    1e-05
+    >>> learning_rate("transformer", 16)
+    0.001
+    """
+    scale = {"mlp": _MLP_LR_WIDTH, "transformer": _TRANSFORMER_LR_WIDTH}
+    if name not in scale:
+        return 1e-3
+    return float(min(1e-3, scale[name] / width))
 
 
 def model_spec(
@@ -130,7 +168,14 @@ def model_spec(
     width = dimensions.pop("width") if width is None else width
     default_batch = dimensions.pop("batch_size")
     batch_size = default_batch if batch_size is None else batch_size
-    return ModelSpec(name, size, width, batch_size, dimensions)
+    return ModelSpec(
+        name,
+        size,
+        width,
+        batch_size,
+        dimensions,
+        learning_rate(name, width),
+    )
 
 
 def describe(spec: ModelSpec) -> str:
@@ -226,33 +271,67 @@ def load_data(spec: ModelSpec):
     """`(x_train, x_test, y_train, y_test)` as NumPy arrays for `spec`.
 
     The digits come from scikit-learn (`ImportError` naming `kmp[bench]`
-    without it); the other models' data are generated with a fixed seed:
-    labels are the class a fixed rule picks (mlp: a random linear map of the
-    inputs; cnn: of the images' mean colour; transformer: the most frequent
-    token id modulo 10), so every model can learn them.
+    without it); the other models' data are generated with a fixed seed.
+    Each example is drawn for a class, pushed that class's way, and its
+    label is then what a fixed rule of the inputs says (the drawn class,
+    but for a few close calls):
+
+    * mlp: inputs from a standard normal plus `_MLP_MARGIN` times the
+      class's direction (fixed random unit vectors); label: the direction
+      the input lies furthest along (a fixed linear teacher);
+    * cnn: images of standard normal noise plus the class's colour (fixed,
+      spread over the colour sphere, `_CNN_COLOUR` long); label: the
+      colour the image's mean colour lies furthest along;
+    * transformer: token ids, a quarter of them drawn from the class's
+      marker tokens (`_MARKERS_PER_CLASS` fixed ids per class, fewer in
+      a small vocabulary), the rest
+      uniformly; label: the class whose markers occur most often (the
+      model has no positions: the label depends on the tokens only).
     """
     if spec.name == "digits":
         return _digits()
     rng = np.random.default_rng(_SEED)
     count = _GENERATED_BATCHES * spec.batch_size
     count += count // 4
+    drawn = rng.integers(0, CLASSES, count)
     d = spec.dimensions
     if spec.name == "mlp":
-        x = rng.standard_normal((count, d["inputs"]), dtype=np.float32)
-        y = np.argmax(x @ rng.standard_normal((d["inputs"], CLASSES)), 1)
+        directions = rng.standard_normal((CLASSES, d["inputs"]))
+        directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+        x = rng.standard_normal((count, d["inputs"]))
+        x += _MLP_MARGIN * directions[drawn]
+        y = np.argmax(x @ directions.T, 1)
     elif spec.name == "cnn":
+        colours = _sphere(CLASSES)
         shape = (count, d["image"], d["image"], 3)
-        x = rng.standard_normal(shape, dtype=np.float32)
-        colour = x.mean(axis=(1, 2))
-        y = np.argmax(colour @ rng.standard_normal((3, CLASSES)), 1)
+        x = rng.standard_normal(shape)
+        x += _CNN_COLOUR * colours[drawn][:, None, None, :]
+        y = np.argmax(x.mean(axis=(1, 2)) @ colours.T, 1)
     else:
-        x = rng.integers(0, d["vocabulary"], (count, d["length"]))
-        x = x.astype("int32")
-        counts = np.stack([(x % CLASSES == c).sum(1) for c in range(CLASSES)])
+        vocabulary = d["vocabulary"]
+        per_class = max(1, min(_MARKERS_PER_CLASS, vocabulary // 20))
+        markers = rng.choice(vocabulary, (CLASSES, per_class), replace=False)
+        x = rng.integers(0, vocabulary, (count, d["length"]))
+        marked = rng.random((count, d["length"])) < _MARKER_SHARE
+        picks = rng.integers(0, per_class, (count, d["length"]))
+        x = np.where(marked, markers[drawn[:, None], picks], x)
+        counts = np.stack(
+            [np.isin(x, markers[c]).sum(1) for c in range(CLASSES)]
+        )
         y = np.argmax(counts, 0)
     split = _GENERATED_BATCHES * spec.batch_size
+    x = x.astype("int32" if spec.name == "transformer" else "float32")
     y = y.astype("int32")
     return x[:split], x[split:], y[:split], y[split:]
+
+
+def _sphere(count):
+    """`count` unit vectors spread evenly over the sphere (Fibonacci)."""
+    index = np.arange(count) + 0.5
+    z = 1 - 2 * index / count
+    angle = np.pi * (1 + 5**0.5) * index
+    radius = np.sqrt(1 - z**2)
+    return np.stack([radius * np.cos(angle), radius * np.sin(angle), z], 1)
 
 
 def _digits():
@@ -310,6 +389,7 @@ __all__ = [
     "ModelSpec",
     "build_model",
     "describe",
+    "learning_rate",
     "load_data",
     "model_spec",
 ]

@@ -2,11 +2,12 @@
 
 `plan_configurations` lists the configurations in the order they run and
 are reported; `plan_steps` turns a time budget and measured step times into
-timed steps and rounds; `StepWalls` measures what a step costs in all
-during the warm-up, and `steps_for_budget` plans on it.
+timed steps (never fewer than `bench_stats.MIN_ROUND_STEPS` per round);
+`StepWalls` measures what a step costs in all during the warm-up, and
+`steps_for_budget` plans on it.
 
->>> plan_steps(60.0, [0.1, 0.2, 0.3])  # 100 steps of all three fit.
-(95, 5)
+>>> plan_steps(600.0, [0.1, 0.2, 0.3])  # 1000 steps of all three fit.
+(995, True)
 """
 
 import gc
@@ -14,12 +15,11 @@ import time
 
 from kmp.core import backend
 from kmp.tools.bench.configuration import needs_loss_scaling
+from kmp.tools.bench.stats import MIN_ROUND_STEPS
+from kmp.tools.bench.stats import MIN_ROUNDS
 
-# Timed steps per configuration from a budget: at least one per round, at
-# most this many.
+# Timed steps per configuration from a budget: at most this many.
 MAX_BUDGET_STEPS = 5000
-_STEPS_PER_ROUND = 20
-_MAX_ROUNDS = 5
 # The share of what is left after the warm-up that the timed steps plan on.
 _BUDGET_SHARE = 0.85
 
@@ -54,32 +54,36 @@ def plan_configurations(
     return plan
 
 
-def plan_steps(seconds, step_seconds, max_rounds=_MAX_ROUNDS):
-    """How many timed steps per configuration fit in `seconds`, in how many
-    rounds: `(steps, rounds)`.
+def plan_steps(seconds, step_seconds, rounds=MIN_ROUNDS):
+    """How many timed steps per configuration fit in `seconds`, in
+    `rounds` rounds: `(steps, fits)`.
 
-    A round costs each configuration one untimed step more; rounds get at
-    least `_STEPS_PER_ROUND` timed steps each (at least one round, at most
-    `max_rounds`). At least one step per round, however little time is
-    left; at most `MAX_BUDGET_STEPS`.
+    A round costs each configuration one untimed step more. Never fewer
+    than `MIN_ROUND_STEPS` timed steps per round: `fits` is False when
+    even those do not fit (the run then takes longer than planned); at most
+    `MAX_BUDGET_STEPS`.
 
     Args:
-        seconds: The time left for the timed rounds.
+        seconds: The time for the timed rounds.
         step_seconds: One step time per configuration (from the warm-up).
-        max_rounds: The most rounds.
+        rounds: The rounds.
 
-    >>> plan_steps(60.0, [0.1, 0.2, 0.3])  # 100 steps of all three fit.
-    (95, 5)
+    >>> plan_steps(60.0, [0.01, 0.02, 0.03])  # 1000 steps of all three.
+    (995, True)
     >>> plan_steps(6.0, [0.1, 0.2, 0.3])
-    (9, 1)
-    >>> plan_steps(0.0, [0.1, 0.2, 0.3])
-    (1, 1)
+    (100, False)
     """
     per_step = max(sum(step_seconds), 1e-9)
     fitting = int(max(seconds, 0.0) / per_step + 1e-6)  # 0.6 / 0.2 -> 3
-    rounds = max(1, min(max_rounds, fitting // _STEPS_PER_ROUND))
-    steps = min(MAX_BUDGET_STEPS, max(rounds, fitting - rounds))
-    return steps, rounds
+    per_round = fitting // rounds - 1  # Less the untimed step.
+    fits = per_round >= MIN_ROUND_STEPS
+    steps = max(MIN_ROUND_STEPS, per_round) * rounds
+    return min(MAX_BUDGET_STEPS, steps), fits
+
+
+def minimum_seconds(step_seconds, rounds=MIN_ROUNDS):
+    """About how long the fewest steps `plan_steps` allows take."""
+    return rounds * (MIN_ROUND_STEPS + 1) * sum(step_seconds)
 
 
 class StepWalls:
@@ -91,7 +95,7 @@ class StepWalls:
         self._last = None
 
     def observe(self, configuration, loss, seconds, timed):
-        configuration.record(loss, seconds, timed)
+        configuration.record([loss])
         now = time.perf_counter()
         if self._last is not None and self._last[0] is configuration:
             # From the end of the step before to the end of this one.
@@ -110,23 +114,24 @@ class StepWalls:
         return seconds
 
 
-def steps_for_budget(step_seconds, data, spec, seconds_left, max_rounds):
-    """`plan_steps` on what is left after the evaluation (every training
-    and test example through the model once: about a third of a training
-    step per batch) and the garbage collections that start every turn
-    (`timing`), less a share for machines that slow down."""
+def steps_for_budget(step_seconds, data, spec, seconds, rounds):
+    """`plan_steps` on `seconds` less the evaluation (every training and
+    test example through the model once: about a third of a training step
+    per batch) and the garbage collections that start every round
+    (`bench.rounds`), less a share for machines that slow down."""
     examples = len(data[0]) + len(data[1])
     evaluation = examples / spec.batch_size / 3 * sum(step_seconds)
     started = time.perf_counter()
     gc.collect()
-    turns = max_rounds * len(step_seconds) * (time.perf_counter() - started)
-    seconds = _BUDGET_SHARE * (seconds_left - evaluation - turns)
-    return plan_steps(seconds, step_seconds, max_rounds)
+    turns = rounds * (time.perf_counter() - started)
+    seconds = _BUDGET_SHARE * (seconds - evaluation - turns)
+    return plan_steps(seconds, step_seconds, rounds)
 
 
 __all__ = [
     "MAX_BUDGET_STEPS",
     "StepWalls",
+    "minimum_seconds",
     "plan_configurations",
     "plan_steps",
     "steps_for_budget",

@@ -24,6 +24,7 @@ import numpy as np
 import kmp
 from kmp.core import backend
 from kmp.core.policy import Policy
+from kmp.tools.bench import stats as bench_stats
 from kmp.tools.tables import markdown_table
 
 LOOPS = ("fit", "custom")
@@ -84,6 +85,37 @@ _SAME_ACCURACY_POINTS = 1.0
 _SAME_SPEED = 0.05
 
 
+# Marks a ratio whose 95% interval is wider than SPREAD_LIMIT of it.
+NOISY_MARK = "!"
+
+
+def format_ratio(result, key, pattern="{:.2f}"):
+    """`result[key]` with its 95% interval (`result[key + "_ci"]`), and
+    `NOISY_MARK` when the interval is wider than
+    `bench_stats.SPREAD_LIMIT` of the ratio; "-" without a value.
+
+    >>> format_ratio({"r": 1.5, "r_ci": [1.45, 1.56]}, "r")
+    '1.50 [1.45, 1.56]'
+    >>> format_ratio({"r": 1.5, "r_ci": [1.2, 1.8]}, "r")
+    '1.50 [1.20, 1.80] !'
+    """
+    value = result.get(key)
+    if value is None:
+        return "-"
+    text = pattern.format(value)
+    interval = result.get(f"{key}_ci")
+    if interval is None:
+        return text
+    low, high = interval
+    text += f" [{pattern.format(low)}, {pattern.format(high)}]"
+    # Overheads are ratios minus one: the spread is the ratio's.
+    offset = 1.0 if key == "loss_scaling_overhead" else 0.0
+    ratio = value + offset
+    if bench_stats.is_noisy(ratio, (low + offset, high + offset)):
+        text += f" {NOISY_MARK}"
+    return text
+
+
 def _format_row(result, ratio, extra):
     def optional(value, pattern):
         return "-" if value is None else pattern.format(value)
@@ -96,7 +128,7 @@ def _format_row(result, ratio, extra):
         result["loop"],
         f"{result['median_ms']:.2f} ({result['q1_ms']:.2f}-"
         f"{result['q3_ms']:.2f})",
-        optional(result["speedup_vs_float32"], "{:.2f}"),
+        format_ratio(result, "speedup_vs_float32"),
         f"{result['samples_per_second']:.0f}",
         f"{result['final_loss']:.4f}",
         f"{100 * result['test_accuracy']:.1f}%",
@@ -104,11 +136,11 @@ def _format_row(result, ratio, extra):
         optional(result["skipped_steps"], "{:d}"),
     ]
     if OVERHEAD_COLUMN in extra:
-        cells.append(optional(result.get("loss_scaling_overhead"), "{:+.1%}"))
+        cells.append(format_ratio(result, "loss_scaling_overhead", "{:+.1%}"))
     if MEMORY_COLUMN in extra:
         cells.append(optional(result.get("peak_memory_mb"), "{:.1f}"))
     if ratio is not None:
-        cells.append(optional(result.get(ratio[0]), "{:.2f}"))
+        cells.append(format_ratio(result, ratio[0]))
     return cells
 
 
@@ -122,7 +154,9 @@ def format_table(results: Sequence[Dict]) -> str:
     `kmp / PyTorch AMP`. With rows without loss scaling every loss-scaled
     row shows its step time over theirs, minus one; with measured memory,
     each row its peak. Step times are medians with the interquartile range
-    in parentheses.
+    in parentheses; ratios come with their 95% interval in brackets where
+    the results hold block times, and `NOISY_MARK` where the interval is
+    wider than 10% of the ratio (`format_ratio`).
 
     Args:
         results: The list `run_benchmark` returns (or loaded from its JSON).
@@ -152,16 +186,45 @@ def format_table(results: Sequence[Dict]) -> str:
         parts.append(
             markdown_table(header, [_format_row(r, ratio, extra) for r in rows])
         )
+    parts.append("\n" + legend(results))
+    return "\n".join(parts)
+
+
+def legend(results: Sequence[Dict]) -> str:
+    """What the tables' numbers are: how the steps were timed, what the
+    intervals and `NOISY_MARK` mean."""
     first = results[0]
     model = first.get("model", "digits")
-    parts.append(
-        f"\nms/step: median (interquartile range) of {first['steps']} timed "
-        f"steps per configuration; model {model}, batch size "
-        f"{first['batch_size']}, width {first['units']}. final loss: "
-        "cross-entropy on the whole training set after training; test "
-        "accuracy on the held-out examples."
+    rounds = first.get("rounds")
+    blocks = first.get("blocks_per_round")
+    if rounds and blocks:
+        how = (
+            f"median (interquartile range) over {rounds * blocks} blocks "
+            f"({rounds} rounds of {blocks} blocks, {first['steps']} timed "
+            "steps per configuration; a block's steps run back to back, "
+            "then one wait for the device), each block's time per step"
+        )
+    else:
+        how = f"median (interquartile range) of {first['steps']} timed steps"
+    text = (
+        f"ms/step: {how}; model {model}, batch size {first['batch_size']}, "
+        f"width {first['units']}. final loss: cross-entropy on the whole "
+        "training set after training; test accuracy on the held-out "
+        "examples."
     )
-    return "\n".join(parts)
+    if any(
+        r.get(f"{key}_ci") is not None
+        for r in results
+        for key in ("speedup_vs_float32", "loss_scaling_overhead")
+    ):
+        text += (
+            " Ratios: [95% interval] from a bootstrap over rounds and "
+            f"blocks (seeded); {NOISY_MARK} marks an interval wider than "
+            f"{bench_stats.SPREAD_LIMIT:.0%} of its ratio: too noisy to "
+            "tell a few percent apart (run longer, or on a quieter "
+            "machine)."
+        )
+    return text
 
 
 def _speed_phrase(ratio, other):
@@ -222,7 +285,9 @@ def summarize(results: Sequence[Dict]) -> str:
         )
         lines.append(
             f"{LOOP_WORDS[r['loop']]}: {r['policy']} "
-            f"{_speed_phrase(ratio, 'float32')} here and {accuracy}."
+            f"{_speed_phrase(ratio, 'float32')}"
+            f"{_interval_note(r, 'speedup_vs_float32', '{:.2f}x')} here "
+            f"and {accuracy}."
         )
     if kmp_rows and not any(r["policy"] == "float32" for r in kmp_rows):
         lines.append("float32 was not benchmarked, so there is no speed-up.")
@@ -317,6 +382,16 @@ def _torch_lines(results, by_key):
     return lines
 
 
+def _interval_note(result, key, pattern):
+    """' (95% interval: low to high)', noisy or not; '' without one."""
+    interval = result.get(f"{key}_ci")
+    if interval is None:
+        return ""
+    low, high = (pattern.format(value) for value in interval)
+    noisy = format_ratio(result, key, pattern).endswith(NOISY_MARK)
+    return f" (95% interval {low} to {high}{', noisy' if noisy else ''})"
+
+
 def _overhead_lines(results):
     """What loss scaling adds to a step, per policy and loop."""
     costs = {}
@@ -325,6 +400,7 @@ def _overhead_lines(results):
         if overhead is not None:
             costs.setdefault((r["policy"], r["loop"]), []).append(
                 f"{_SCALERS[r['implementation']]} {overhead:+.1%}"
+                + _interval_note(r, "loss_scaling_overhead", "{:+.1%}")
             )
     return [
         f"{LOOP_WORDS[loop]}: loss scaling adds to the {policy} step: "
@@ -460,10 +536,13 @@ __all__ = [
     "COLUMNS",
     "LOOPS",
     "MEMORY_COLUMN",
+    "NOISY_MARK",
     "OVERHEAD_COLUMN",
     "RATIO_COLUMN",
     "TORCH_RATIO_COLUMN",
+    "format_ratio",
     "format_table",
+    "legend",
     "machine_info",
     "summarize",
     "write_json",

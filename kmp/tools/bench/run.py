@@ -16,23 +16,35 @@ without loss scaling, so what loss scaling costs shows too. On torch plain
 PyTorch AMP (`torch.autocast`, `torch.amp.GradScaler`) trains the same
 network beside them (`torch_amp=True`).
 
-Steps are timed by `bench.timing` (the toolkit `benchmarks/` uses too):
-every configuration is warmed up first (tracing and the first steps are not
-timed), then the timed steps run in interleaved rounds whose order rotates,
-each step timed on its own up to reading its loss; the tables show medians
-with the interquartile range. Every configuration trains on the same
-batches in the same order, the same number of steps, from the same weights.
+Building the configurations, the first call of each step (tracing and
+compilation) and the warm-up steps after it are not timed: they are
+reported on a line of their own and are not part of the time budget. On
+JAX, compiled steps are kept in JAX's persistent compilation cache
+(`bench.jax.enable_compilation_cache`), so a second run compiles less.
 
-Without a fixed number of steps the run fits a time budget (two minutes by
-default): after the warm-up, the step times measured there decide how many
-steps fit in what is left (`plan_steps`).
+The timed steps run in interleaved rounds whose order rotates (at least
+`bench_stats.MIN_ROUNDS` rounds of `bench_stats.MIN_ROUND_STEPS` steps per
+configuration, never fewer), each round in blocks of steps dispatched back
+to back with one wait for the device per block (`bench.rounds`). The
+tables show each configuration's median block time per step with the
+interquartile range, and every ratio with a 95% interval from a seeded
+bootstrap over rounds and blocks (`bench.stats`), flagged when it is wider
+than 10% of the ratio. Every configuration trains on the same batches in
+the same order, the same number of steps, from the same weights.
+
+Without a fixed number of steps the timed rounds and the evaluation fit a
+time budget (`DEFAULT_BUDGET_SECONDS`), planned on the step times the
+warm-up measured (`plan_steps`); when even the fewest steps do not fit,
+the run says so and takes longer.
 """
 
+import sys
 import time
 from typing import Dict
 from typing import List
 from typing import Optional
 from typing import Sequence
+from typing import Union
 
 import keras
 import numpy as np
@@ -41,6 +53,8 @@ from kmp.core import backend
 from kmp.core.policy import POLICY_NAMES
 from kmp.tools.bench import models as bench_models
 from kmp.tools.bench import plan as bench_plan
+from kmp.tools.bench import rounds as bench_rounds
+from kmp.tools.bench import stats as bench_stats
 from kmp.tools.bench import timing
 from kmp.tools.bench.configuration import Configuration
 from kmp.tools.bench.configuration import backend_module
@@ -53,13 +67,13 @@ from kmp.tools.bench.report import LOOPS
 DEFAULT_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 DEFAULT_MODEL = "digits"
 DEFAULT_SIZE = "auto"
-# The whole run, from loading the data to the evaluation, when the steps
-# are not fixed; the warm-up may take a quarter of it.
-DEFAULT_BUDGET_SECONDS = 120.0
+# The timed rounds and the evaluation, when the steps are not fixed (the
+# building, compilation and warm-up before them come on top).
+DEFAULT_BUDGET_SECONDS = 90.0
+# Each configuration's warm-up steps stop after this share of the budget
+# over the configurations (at least one runs).
 _WARMUP_SHARE = 0.25
-# The most timing rounds; fewer when few steps fit (each round costs every
-# configuration one untimed step).
-DEFAULT_ROUNDS = 5
+DEFAULT_ROUNDS = bench_stats.MIN_ROUNDS
 DEFAULT_WARMUP_STEPS = 10
 
 
@@ -118,8 +132,17 @@ def _check_budget(value):
 # --- Progress -----------------------------------------------------------------
 
 
+def _interactive():
+    stdout = sys.stdout
+    return bool(getattr(stdout, "isatty", None) and stdout.isatty())
+
+
 class _Progress:
-    """A Keras progress bar with the time left, or nothing when quiet."""
+    """A Keras progress bar with the time left, or nothing when quiet.
+
+    As Keras's `fit` does: the bar is redrawn as it moves on a terminal;
+    into a file or a pipe (a log, CI) it prints one line when it is done.
+    """
 
     def __init__(self, verbose):
         self._verbose = verbose
@@ -131,7 +154,9 @@ class _Progress:
 
     def start(self, target, unit):
         if self._verbose:
-            self._bar = keras.utils.Progbar(target, unit_name=unit)
+            self._bar = keras.utils.Progbar(
+                target, unit_name=unit, verbose=1 if _interactive() else 2
+            )
 
     def advance(self, count=1):
         if self._bar is not None:
@@ -165,10 +190,9 @@ def _result(configuration, data, spec, warmed, device):
     train_probabilities = _predict(model, x_train, batch_size)
     test_probabilities = _predict(model, x_test, batch_size)
     accuracy = float(np.mean(test_probabilities.argmax(axis=1) == y_test))
-    measured = timing.Timing(
-        configuration.label, times=configuration.step_seconds
-    )
-    low, q1, median, q3, high = (t * 1000.0 for t in measured.quantiles())
+    blocks = configuration.block_seconds
+    every = np.array([t for round_ in blocks for t in round_]) * 1000.0
+    low, q1, median, q3, high = np.percentile(every, [0, 25, 50, 75, 100])
     scaled = configuration.loss_scaled
     peak = configuration.peak_bytes
     return {
@@ -182,22 +206,26 @@ def _result(configuration, data, spec, warmed, device):
         "size": spec.size,
         "batch_size": batch_size,
         "units": spec.width,
+        "learning_rate": spec.learning_rate,
         "warmup_steps": warmed.warmup_steps,
+        "build_seconds": configuration.build_seconds,
         "first_call_seconds": warmed.trace_seconds,
+        "warmup_seconds": configuration.warmup_seconds,
         "warmup_ms": warmed.warmup_last * 1000.0,
-        "rounds": len(warmed.round_medians),
-        "steps": len(measured.times),
-        "step_times_ms": [seconds * 1000.0 for seconds in measured.times],
-        "median_ms": median,
-        "q1_ms": q1,
-        "q3_ms": q3,
-        "min_ms": low,
-        "max_ms": high,
+        "rounds": len(blocks),
+        "blocks_per_round": len(blocks[0]),
+        "steps": configuration.timed_steps,
+        "block_times_ms": [
+            [seconds * 1000.0 for seconds in round_] for round_ in blocks
+        ],
+        "median_ms": float(median),
+        "q1_ms": float(q1),
+        "q3_ms": float(q3),
+        "min_ms": float(low),
+        "max_ms": float(high),
         "samples_per_second": batch_size / (median / 1000.0),
-        "speedup_vs_float32": None,
-        "kmp_over_native": None,
-        "kmp_over_torch": None,
-        "loss_scaling_overhead": None,
+        **{key: None for key in RATIOS},
+        **{f"{key}_ci": None for key in RATIOS},
         "peak_memory_mb": None if peak is None else peak / 2**20,
         "final_loss": _cross_entropy(train_probabilities, y_train),
         "test_accuracy": accuracy,
@@ -216,33 +244,63 @@ def _side(result):
     return "torch" if result["implementation"].startswith("torch") else "keras"
 
 
+# The ratios `add_comparisons` fills in.
+RATIOS = (
+    "speedup_vs_float32",
+    "kmp_over_native",
+    "kmp_over_torch",
+    "loss_scaling_overhead",
+)
+
+
 def add_comparisons(results: List[Dict]) -> None:
-    """Fills in the ratios: the speed-up over float32 (on the same side,
-    Keras's or plain PyTorch's, in the same loop), kmp / native and kmp /
-    PyTorch AMP on those rows, and on loss-scaled rows their step time over
-    the same policy's without loss scaling, minus one."""
-    float32_ms, kmp_ms, unscaled_ms = {}, {}, {}
+    """Fills in the ratios, each with its 95% interval.
+
+    The speed-up over float32 (on the same side, Keras's or plain
+    PyTorch's, in the same loop), kmp / native and kmp / PyTorch AMP on
+    those rows, and on loss-scaled rows their step time over the same
+    policy's without loss scaling, minus one. A ratio's interval
+    (`<ratio>_ci`, `[low, high]`) comes from `bench_stats.ratio_interval`
+    on the two rows' `block_times_ms`; None where a row has none (results
+    made by hand).
+    """
+    float32, kmp_rows, unscaled = {}, {}, {}
     for r in results:
         side = _side(r)
         if r["policy"] == "float32" and r["implementation"] in ("kmp", "torch"):
-            float32_ms[(side, r["loop"])] = r["median_ms"]
+            float32[(side, r["loop"])] = r
         if r["implementation"] == "kmp":
-            kmp_ms[(r["policy"], r["loop"])] = r["median_ms"]
+            kmp_rows[(r["policy"], r["loop"])] = r
         if r["implementation"] in ("unscaled", "torch_unscaled"):
-            unscaled_ms[(side, r["policy"], r["loop"])] = r["median_ms"]
+            unscaled[(side, r["policy"], r["loop"])] = r
     for r in results:
         side, key = _side(r), (r["policy"], r["loop"])
-        reference = float32_ms.get((side, r["loop"]))
+        reference = float32.get((side, r["loop"]))
         if reference is not None:
-            r["speedup_vs_float32"] = reference / r["median_ms"]
-        mine = kmp_ms.get(key)
+            _compare(r, "speedup_vs_float32", reference, r)
+        mine = kmp_rows.get(key)
         if mine is not None and r["implementation"] == "native":
-            r["kmp_over_native"] = mine / r["median_ms"]
+            _compare(r, "kmp_over_native", mine, r)
         if mine is not None and r["implementation"] == "torch":
-            r["kmp_over_torch"] = mine / r["median_ms"]
-        unscaled = unscaled_ms.get((side, *key))
-        if r.get("loss_scaling") and unscaled is not None:
-            r["loss_scaling_overhead"] = r["median_ms"] / unscaled - 1.0
+            _compare(r, "kmp_over_torch", mine, r)
+        other = unscaled.get((side, *key))
+        if r.get("loss_scaling") and other is not None:
+            _compare(r, "loss_scaling_overhead", r, other, offset=-1.0)
+
+
+def _compare(row, key, numerator, denominator, offset=0.0):
+    """`row[key]`: numerator's step time over denominator's (plus
+    `offset`), and `row[key + "_ci"]`, its interval."""
+    row[key] = numerator["median_ms"] / denominator["median_ms"] + offset
+    a = numerator.get("block_times_ms")
+    b = denominator.get("block_times_ms")
+    interval = None
+    if a and b and numerator is denominator:
+        interval = [1.0 + offset, 1.0 + offset]
+    elif a and b:
+        low, high = bench_stats.ratio_interval(a, b)
+        interval = [low + offset, high + offset]
+    row[f"{key}_ci"] = interval
 
 
 # --- The benchmark ------------------------------------------------------------
@@ -264,74 +322,83 @@ def run_benchmark(
     overhead: bool = False,
     torch_amp: bool = True,
     memory: bool = False,
+    compilation_cache: Union[str, bool] = True,
 ) -> List[Dict]:
     """Trains `model` under each policy and loop, and times it.
 
     Builds every configuration (`plan_configurations`), warms each up with
-    its first call and up to `warmup_steps` more untimed steps, then runs
-    the timed steps of each in interleaved rounds, each round starting each
-    configuration with one untimed step (`bench.timing`). With `steps`
+    its first call (tracing, compiling) and up to `warmup_steps` more
+    untimed steps, then runs the timed steps of each in interleaved rounds
+    of blocks, one device sync per block (`bench.rounds`). With `steps`
     that is `steps` timed steps in `rounds` rounds and exactly
-    `warmup_steps` warm-up steps; without, the whole run fits in about
-    `budget_seconds`: the warm-up stops early if it would take more than a
-    quarter of it, and `plan_steps` decides the steps and rounds (at most
-    `rounds`) from the step times it measured. Changes no global state:
-    policies are set with `kmp.policy_scope` while each model is built.
+    `warmup_steps` warm-up steps; without, the timed rounds and the
+    evaluation fit in about `budget_seconds` (the building, compiling and
+    warm-up come first, on top), planned on the step times the warm-up
+    measured (`plan_steps`), and never fewer than
+    `bench_stats.MIN_ROUND_STEPS` steps per round. Changes no global state
+    but JAX's compilation cache folder (`compilation_cache`): policies are
+    set with `kmp.policy_scope` while each model is built.
 
     Args:
         policies: Policy names, from `kmp.core.policy.POLICY_NAMES`.
         loops: `"fit"` and/or `"custom"`.
-        steps: Timed training steps per configuration; None: from the
-            budget.
+        steps: Timed training steps per configuration, at least
+            `bench_stats.MIN_ROUND_STEPS` per round; None: from the budget.
         batch_size: Examples per step (None: the model's).
         units: The model's width (None: the model's; see `bench.models`).
-        rounds: Interleaved rounds (the most rounds without `steps`); at
-            most `steps`.
+        rounds: Interleaved rounds, at least `bench.stats.MIN_ROUNDS`.
         native: Also run the loss-scaled policies with
             `keras.optimizers.LossScaleOptimizer`.
         warmup_steps: Untimed steps per configuration after its first call
             and before the rounds (the most, without `steps`).
-        verbose: Print what runs, with progress bars and the time left.
+        verbose: Print what runs, with progress bars and the time left
+            (redrawn on a terminal, one line per bar otherwise).
         model: One of `bench_models.MODELS`.
         size: One of `bench_models.SIZES` (`"auto"`: `"large"` on a GPU).
-        budget_seconds: The time the whole run should take without `steps`.
+        budget_seconds: The time the timed rounds and the evaluation should
+            take without `steps`.
         overhead: Also run the loss-scaled policies without loss scaling
             (and, on torch, plain PyTorch AMP without `GradScaler`).
         torch_amp: On torch, also train with plain PyTorch AMP.
         memory: Measure each configuration's peak device memory (see the
             backend modules; on a CPU only JAX measures it).
+        compilation_cache: On JAX, where compiled steps are kept between
+            runs: True for `bench.jax.compilation_cache_dir()`, a folder,
+            or False for no cache. A folder JAX was already given is kept.
 
     Returns:
         One dict per configuration, in the order of `plan_configurations`.
         Keys: `policy`, `loop`, `implementation`, `loss_scaling`, `device`,
-        `model`, `size`, `step_times_ms` (every timed step), `median_ms`,
-        `q1_ms`, `q3_ms`, `min_ms`, `max_ms`, `samples_per_second`, the
-        ratios of `add_comparisons` (None where they do not apply),
-        `peak_memory_mb`, `final_loss` (cross-entropy on the whole training
-        set after training), `test_accuracy` (a fraction), `losses` (every
-        step's batch loss, untimed steps included), `loss_scales`,
-        `final_loss_scale`, `skipped_steps` (None without loss scaling), and
-        the settings `batch_size`, `units`, `warmup_steps`, `rounds`,
-        `steps`, `first_call_seconds`, `warmup_ms`.
+        `model`, `size`, `block_times_ms` (per round, every timed block's
+        time per step), `median_ms`, `q1_ms`, `q3_ms`, `min_ms`, `max_ms`
+        (over the blocks), `samples_per_second`, the ratios of
+        `add_comparisons` and their intervals (None where they do not
+        apply), `peak_memory_mb`, `final_loss` (cross-entropy on the whole
+        training set after training), `test_accuracy` (a fraction),
+        `losses` (every step's batch loss, untimed steps included),
+        `loss_scales`, `final_loss_scale`, `skipped_steps` (None without
+        loss scaling), and the settings `batch_size`, `units`,
+        `learning_rate`, `warmup_steps`, `rounds`, `blocks_per_round`,
+        `steps`, `build_seconds`, `first_call_seconds`, `warmup_seconds`,
+        `warmup_ms`.
 
     Raises:
         TypeError: an argument has the wrong type.
         ValueError: an unknown policy, loop, model or size, a count below
-            1, or more rounds than steps; the transformer under a float16
-            policy on JAX's CPU backend (which Keras's attention does not
-            support).
+            1, fewer rounds or steps than `bench_stats.check_counts`
+            allows; the transformer under a float16 policy on JAX's CPU
+            backend (which Keras's attention does not support).
         ImportError: the digits need scikit-learn.
 
     Example:
 
     >>> results = run_benchmark(
-    ...     ["float32"], ["custom"], steps=2, batch_size=8, units=4,
-    ...     rounds=1, warmup_steps=1, verbose=False, torch_amp=False)
-    >>> [(r["policy"], r["loop"], r["steps"], len(r["losses"]))
+    ...     ["float32"], ["custom"], steps=100, batch_size=8, units=4,
+    ...     warmup_steps=1, verbose=False, torch_amp=False)
+    >>> [(r["policy"], r["loop"], r["steps"], r["rounds"], len(r["losses"]))
     ...  for r in results]
-    [('float32', 'custom', 2, 5)]
+    [('float32', 'custom', 100, 5, 107)]
     """
-    started = time.perf_counter()
     policies = _check_names(policies, POLICY_NAMES, "policies")
     loops = _check_names(loops, LOOPS, "loops")
     counts = {"rounds": rounds, "warmup_steps": warmup_steps}
@@ -340,13 +407,19 @@ def run_benchmark(
         if value is not None or argument == "rounds":
             _check_count(value, argument)
     budget_seconds = _check_budget(budget_seconds)
-    if steps is not None and rounds > steps:
-        raise ValueError(
-            "'rounds' must be at most 'steps': every round runs at least one "
-            f"step. Received: rounds={rounds}, steps={steps}"
-        )
+    too_few = bench_stats.check_counts(
+        bench_stats.MIN_STEPS * rounds if steps is None else steps, rounds
+    )
+    if too_few:
+        raise ValueError(f"{too_few} Received: steps={steps}, rounds={rounds}")
     module = backend_module()
     device = module.device()
+    if compilation_cache is not False and hasattr(
+        module, "enable_compilation_cache"
+    ):
+        module.enable_compilation_cache(
+            None if compilation_cache is True else compilation_cache
+        )
     spec = bench_models.model_spec(
         model, size, units, batch_size, gpu=device == "gpu"
     )
@@ -355,11 +428,7 @@ def run_benchmark(
         raise ValueError(f"{problem} Received: policies={tuple(policies)!r}")
     data = bench_models.load_data(spec)
     x_train, _, y_train, _ = data
-    # The first call, the warm-up, one untimed step per round, the timed.
-    needed = None if steps is None else 1 + warmup_steps + rounds + steps
-    batches = bench_models.Batches(
-        x_train, y_train, spec.batch_size, max_batches=needed or 512
-    )
+    batches = bench_models.Batches(x_train, y_train, spec.batch_size)
     plan = plan_configurations(
         policies, loops, native, overhead, torch_amp, device
     )
@@ -370,57 +439,95 @@ def run_benchmark(
     )
     if steps is None:
         progress.say(
-            f"Time budget: {budget_seconds:.0f} s (--budget); the steps "
-            "follow from the warm-up (--steps fixes them)."
+            f"Time budget for the timed steps: {budget_seconds:g} s "
+            "(--budget); building, compiling and warming up come first, "
+            "on top of it."
         )
-    progress.say("Building and warming up every configuration...")
+    progress.say("Building, compiling and warming up every configuration...")
     progress.start(len(plan), "configuration")
-    configurations = [
-        Configuration(p, loop, implementation, spec, batches, memory)
-        for p, loop, implementation in plan
-    ]
+    started = time.perf_counter()
+    configurations = []
+    for p, loop, implementation in plan:
+        built = time.perf_counter()
+        configuration = Configuration(
+            p, loop, implementation, spec, batches, memory
+        )
+        configuration.build_seconds = _since(built)
+        configurations.append(configuration)
+    build_seconds = _since(started)
     walls = bench_plan.StepWalls()
+    warm_started = [time.perf_counter()]
+
+    def warmed_up(configuration, timed):
+        configuration.warmup_seconds = (
+            _since(warm_started[0]) - timed.trace_seconds
+        )
+        warm_started[0] = time.perf_counter()
+        progress.advance()
+
     timings = timing.warm_up_all(
         configurations,
         warmup_min=warmup_steps if steps is not None else 1,
         warmup_max=warmup_steps,
         context=module.context,
         observe=walls.observe,
-        warmed_up=lambda c, t: progress.advance(),
+        warmed_up=warmed_up,
         max_seconds=None
         if steps is not None
         else _WARMUP_SHARE * budget_seconds / len(plan),
     )
+    progress.say(_warmup_line(configurations, timings, build_seconds))
+    seconds = walls.per_step(timings)
     if steps is None:
-        seconds = walls.per_step(timings)
-        steps, rounds = bench_plan.steps_for_budget(
-            seconds, data, spec, budget_seconds - _since(started), rounds
+        steps, fits = bench_plan.steps_for_budget(
+            seconds, data, spec, budget_seconds, rounds
         )
-        progress.say(
-            f"Warm-up done after {_since(started):.0f} s. Timing "
-            f"{_count(steps, 'step')} per configuration in "
-            f"{_count(rounds, 'round')}: about "
-            f"{(steps + rounds) * sum(seconds):.0f} s more."
-        )
+        if not fits:
+            progress.say(
+                f"The budget ({budget_seconds:g} s) cannot hold "
+                f"{bench_stats.MIN_ROUNDS} rounds of "
+                f"{bench_stats.MIN_ROUND_STEPS} timed steps per "
+                "configuration, the fewest kmp bench times: timing them "
+                "anyway, which takes about "
+                f"{bench_plan.minimum_seconds(seconds, rounds):.0f} s "
+                "(fewer policies or a smaller model take less)."
+            )
+    per_round = bench_stats.round_steps(steps, rounds)
+    blocks = bench_stats.blocks_per_round(min(per_round))
+    block = bench_stats.block_sizes(per_round[0], blocks)[0]
+    progress.say(
+        f"Timing {_count(steps, 'step')} per configuration in "
+        f"{_count(rounds, 'round')} of {_count(blocks, 'block')} (about "
+        f"{_count(block, 'step')} each, one device sync per block): about "
+        f"{(steps + rounds) * sum(seconds):.0f} s."
+    )
     progress.start(len(plan) * (steps + rounds), "step")
-
-    def observe(configuration, loss, seconds, timed):
-        configuration.record(loss, seconds, timed)
-        progress.advance()
-
-    timing.time_rounds(
+    bench_rounds.time_rounds(
         configurations,
-        timings,
+        steps,
         rounds,
-        timing.chunks(steps, rounds),
         context=module.context,
-        observe=observe,
+        advance=progress.advance,
     )
     results = [
         _result(c, data, spec, timings[c.label], device) for c in configurations
     ]
     add_comparisons(results)
     return results
+
+
+def _warmup_line(configurations, timings, build_seconds):
+    """Compilation and warm-up, on their own line."""
+    first = sum(t.trace_seconds for t in timings.values())
+    steps = sum(t.warmup_steps for t in timings.values())
+    warm = sum(c.warmup_seconds for c in configurations)
+    total = build_seconds + first + warm
+    return (
+        f"Compilation and warm-up (untimed, not in the budget): {total:.1f} "
+        f"s: building {build_seconds:.1f} s, first calls (tracing, "
+        f"compiling) {first:.1f} s, {_count(steps, 'warm-up step')} "
+        f"{warm:.1f} s."
+    )
 
 
 def unsupported(model, policies) -> Optional[str]:

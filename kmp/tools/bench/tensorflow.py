@@ -65,8 +65,13 @@ def make_step(configuration, batches):
 class _Step:
     """What every step offers `bench`: `run()` returns the loss."""
 
-    def after_step(self):
+    def after_block(self):
         pass
+
+    def sync(self, loss):
+        """Waits for the steps so far: reads the last loss (the device runs
+        a function's ops in order, so its last one has finished too)."""
+        loss.numpy()
 
     def value_of(self, variable):
         return variable.numpy()
@@ -133,9 +138,9 @@ class _FitStep(_Step):
     def run(self):
         return self._train_function(self._iterator)["loss"]
 
-    def after_step(self):
+    def after_block(self):
         # fit logs the loss averaged since the last reset: reset it so that
-        # the next step logs its own.
+        # the next block's steps log theirs (`Configuration.record`).
         self._model.reset_metrics()
 
 

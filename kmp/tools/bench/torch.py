@@ -23,6 +23,7 @@ most the allocator held during its steps beyond what it held before them.
 """
 
 import contextlib
+import math
 
 import numpy as np
 import torch
@@ -80,8 +81,14 @@ class _Step:
     def _batch(self):
         return self._batches.get(self._configuration.steps_run)
 
-    def after_step(self):
+    def after_block(self):
         pass
+
+    def sync(self, loss):
+        """Waits for the steps so far: `torch.cuda.synchronize()` on CUDA
+        (on a CPU torch runs every op before returning)."""
+        if _on_cuda():
+            torch.cuda.synchronize()
 
     def value_of(self, variable):
         return np.asarray(variable.value.detach().cpu())
@@ -135,9 +142,9 @@ class _FitStep(_Step):
     def run(self):
         return self._train_function([self._batch()])["loss"]
 
-    def after_step(self):
+    def after_block(self):
         # fit logs the loss averaged since the last reset: reset it so that
-        # the next step logs its own.
+        # the next block's steps log theirs (`Configuration.record`).
         self._model.reset_metrics()
 
 
@@ -147,7 +154,10 @@ class _AmpStep(_Step):
         model = configuration.model
         self._parameters = [v.value for v in model.trainable_variables]
         self._optimizer = torch.optim.Adam(
-            self._parameters, lr=1e-3, betas=(0.9, 0.999), eps=1e-7
+            self._parameters,
+            lr=configuration.learning_rate,
+            betas=(0.9, 0.999),
+            eps=1e-7,
         )
         compute = kmp.Policy(configuration.policy).compute_dtype
         self._dtype = None if compute == "float32" else getattr(torch, compute)
@@ -181,12 +191,12 @@ class _AmpStep(_Step):
             self._scaler.update()
         return loss.detach()
 
-    def after_step(self):
+    def after_block(self):
         if self._scaler is not None:
             scale = float(self._scaler.get_scale())
-            # GradScaler counts no skips: it lowers the scale on each one.
+            # GradScaler counts no skips: it halves the scale on each one.
             if scale < self._scale:
-                self._skipped += 1
+                self._skipped += max(1, round(math.log2(self._scale / scale)))
             self._scale = scale
 
     def loss_scale(self):

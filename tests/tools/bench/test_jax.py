@@ -26,8 +26,7 @@ def test_the_custom_loop_checks_persistent_skips_after_every_step(
     (result,) = bench.run_benchmark(
         ["mixed_float16"],
         ["custom"],
-        steps=2,
-        rounds=1,
+        steps=100,
         warmup_steps=1,
         native=False,
         batch_size=8,
@@ -43,8 +42,7 @@ def test_fit_and_the_loop_leave_their_state_in_the_model():
     fit, custom = bench.run_benchmark(
         ["float32"],
         ["fit", "custom"],
-        steps=1,
-        rounds=1,
+        steps=100,
         warmup_steps=1,
         native=False,
         batch_size=8,
@@ -60,8 +58,7 @@ def test_memory_is_what_xla_allocates_for_a_step():
         bench.run_benchmark(
             ["float32"],
             ["custom"],
-            steps=1,
-            rounds=1,
+            steps=100,
             warmup_steps=1,
             native=False,
             batch_size=8,

@@ -52,7 +52,9 @@ def test_sizes_and_overrides():
     assert bench_models.model_spec("mlp", "auto", gpu=True).size == "large"
     assert bench_models.model_spec("mlp", "auto", gpu=False).size == "small"
     digits = bench_models.model_spec("digits")
-    assert (digits.width, digits.batch_size) == (2048, 256)
+    assert (digits.width, digits.batch_size) == (1024, 256)
+    large = bench_models.model_spec("digits", "auto", gpu=True)
+    assert (large.width, large.batch_size) == (2048, 256)
     spec = bench_models.model_spec("cnn", "tiny", width=6, batch_size=3)
     assert (spec.width, spec.batch_size) == (6, 3)
     assert "cnn (tiny)" in bench_models.describe(spec)
@@ -91,3 +93,41 @@ def test_batches_keep_at_most_max_bytes():
     y = np.zeros(100, "int32")
     batches = bench_models.Batches(x, y, batch_size=10, max_bytes=50 * 1024)
     assert batches.count == 4
+
+
+@pytest.mark.parametrize(
+    "name, units", [("mlp", None), ("cnn", 16), ("transformer", None)]
+)
+def test_a_shrunken_gpu_model_learns_within_a_run(name, units):
+    """Under float32, at the learning rate its width gets, on its generated
+    data: the loss ends well below chance's (ln 10) and the test accuracy
+    well above chance's (10%), in about as many steps as a run has."""
+    from kmp.tools import bench
+
+    (result,) = bench.run_benchmark(
+        ["float32"],
+        ["custom"],
+        steps=200,
+        warmup_steps=2,
+        native=False,
+        torch_amp=False,
+        model=name,
+        size="tiny",
+        units=units,
+        verbose=False,
+    )
+    assert result["final_loss"] < 0.6 * np.log(10)
+    assert result["test_accuracy"] >= 0.35
+
+
+def test_wide_layers_get_a_lower_learning_rate():
+    large = bench_models.model_spec("mlp", "large")
+    assert large.learning_rate == pytest.approx(1e-5)
+    assert bench_models.model_spec("mlp", "tiny").learning_rate == 1e-3
+    assert bench_models.model_spec("digits").learning_rate == 1e-3
+    transformer = bench_models.model_spec("transformer", "large")
+    assert transformer.learning_rate < 1e-3
+    # An override of the width moves the learning rate with it.
+    assert bench_models.model_spec("mlp", "tiny", width=8192).learning_rate == (
+        large.learning_rate
+    )

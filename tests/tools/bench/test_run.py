@@ -11,6 +11,7 @@ import pytest
 
 from kmp.tools.bench import report as bench_report
 from kmp.tools.bench import run as bench
+from kmp.tools.bench import stats as bench_stats
 from tests.support import backends
 
 TINY = {"batch_size": 8, "units": 4, "verbose": False}
@@ -36,8 +37,7 @@ def test_run_benchmark_without_float32():
     results = bench.run_benchmark(
         ["mixed_float16"],
         ["custom"],
-        steps=2,
-        rounds=1,
+        steps=100,
         warmup_steps=1,
         torch_amp=False,
         **TINY,
@@ -57,33 +57,40 @@ def test_every_configuration_trains_on_the_same_batches():
     results = bench.run_benchmark(
         ["float32"],
         ["fit", "custom"],
-        steps=3,
-        rounds=1,
+        steps=100,
         warmup_steps=1,
         native=False,
         torch_amp=False,
         **TINY,
     )
     fit, custom = results
-    assert len(fit["losses"]) == len(custom["losses"]) == 1 + 1 + 1 + 3
+    # The first call, the warm-up, one untimed step per round, the timed.
+    assert len(fit["losses"]) == len(custom["losses"]) == 1 + 1 + 5 + 100
+    # fit's running means, recovered per step, follow the custom loop's.
     assert fit["losses"] == pytest.approx(custom["losses"], rel=1e-3)
-    assert fit["steps"] == custom["steps"] == 3
+    assert fit["steps"] == custom["steps"] == 100
 
 
-def test_without_steps_the_budget_decides_them():
+def test_without_steps_the_budget_decides_them(capsys):
     results = bench.run_benchmark(
         ["float32", "mixed_float16"],
         ["custom"],
         budget_seconds=0.5,
-        rounds=3,
         warmup_steps=2,
         native=False,
         torch_amp=False,
-        **TINY,
+        **dict(TINY, verbose=True),
     )
+    # Half a second holds fewer than the fewest steps: it says so, and
+    # times them anyway (never a median of fewer).
+    output = capsys.readouterr().out
+    assert "The budget (0.5 s) cannot hold 5 rounds of 20 timed steps" in (
+        output
+    )
+    assert "Compilation and warm-up (untimed, not in the budget): " in output
     for r in results:
-        assert 1 <= r["rounds"] <= 3
-        assert r["rounds"] <= r["steps"] <= bench.MAX_BUDGET_STEPS
+        assert r["rounds"] == bench_stats.MIN_ROUNDS
+        assert bench_stats.MIN_STEPS <= r["steps"] <= bench.MAX_BUDGET_STEPS
         assert 1 <= r["warmup_steps"] <= 2
         # The first call, the warm-up, a step per round, the timed steps.
         expected = 1 + r["warmup_steps"] + r["rounds"] + r["steps"]
@@ -100,8 +107,7 @@ def test_models_sized_for_a_gpu_run_tiny(model):
     results = bench.run_benchmark(
         [policy],
         ["fit", "custom"],
-        steps=1,
-        rounds=1,
+        steps=100,
         warmup_steps=1,
         native=False,
         torch_amp=False,
@@ -132,8 +138,7 @@ def test_overhead_adds_rows_without_loss_scaling():
     results = bench.run_benchmark(
         ["mixed_float16"],
         ["custom"],
-        steps=2,
-        rounds=1,
+        steps=100,
         warmup_steps=1,
         native=False,
         overhead=True,
@@ -157,8 +162,7 @@ def test_memory_is_measured_where_the_backend_can():
     results = bench.run_benchmark(
         ["float32"],
         ["custom"],
-        steps=1,
-        rounds=1,
+        steps=100,
         warmup_steps=1,
         native=False,
         torch_amp=False,
@@ -224,28 +228,26 @@ def test_plain_pytorch_amp_rows(device, policies):
 
 
 @pytest.mark.parametrize(
-    "seconds, step_seconds, max_rounds, expected",
+    "seconds, step_seconds, rounds, expected",
     [
-        (60.0, [0.1, 0.2, 0.3], 5, (95, 5)),
-        (60.0, [0.1, 0.2, 0.3], 2, (98, 2)),
-        (6.0, [0.1, 0.2, 0.3], 5, (9, 1)),
-        (30.0, [0.01], 5, (2995, 5)),
-        (1e6, [0.001], 5, (bench.MAX_BUDGET_STEPS, 5)),
-        (-3.0, [0.1], 5, (1, 1)),
-        (1.0, [0.0], 5, (bench.MAX_BUDGET_STEPS, 5)),
+        (60.0, [0.01, 0.02, 0.03], 5, (995, True)),
+        (60.0, [0.01, 0.02, 0.03], 10, (990, True)),
+        (6.0, [0.1, 0.2, 0.3], 5, (100, False)),
+        (1e6, [0.001], 5, (bench.MAX_BUDGET_STEPS, True)),
+        (-3.0, [0.1], 5, (100, False)),
+        (1.0, [0.0], 5, (bench.MAX_BUDGET_STEPS, True)),
     ],
     ids=[
         "five_rounds",
-        "two_rounds_at_most",
-        "few_steps_one_round",
-        "fast_steps",
+        "ten_rounds",
+        "too_little_time_the_fewest_steps",
         "capped",
-        "over_budget_still_one_step",
+        "over_budget_the_fewest_steps",
         "no_time_measured",
     ],
 )
-def test_plan_steps(seconds, step_seconds, max_rounds, expected):
-    assert bench.plan_steps(seconds, step_seconds, max_rounds) == expected
+def test_plan_steps(seconds, step_seconds, rounds, expected):
+    assert bench.plan_steps(seconds, step_seconds, rounds) == expected
 
 
 # --- Reporting, on made-up results ------------------------------------------
@@ -441,7 +443,8 @@ def test_float16_fusion_note_is_for_tensorflow_only():
         ("loops", [], ValueError, "at least one"),
         ("steps", 0, ValueError, "'steps' must be an integer >= 1"),
         ("units", 2.5, TypeError, "'units' must be an integer"),
-        ("rounds", 9, ValueError, "'rounds' must be at most 'steps'"),
+        ("rounds", 3, ValueError, "At least 5 rounds of 20 timed steps"),
+        ("steps", 99, ValueError, "At least 5 rounds of 20 timed steps"),
         ("budget_seconds", 0, ValueError, "'budget_seconds' must be"),
         ("budget_seconds", "2", TypeError, "'budget_seconds' must be"),
         ("model", "resnet", ValueError, "'model' must be one of"),
@@ -453,7 +456,8 @@ def test_float16_fusion_note_is_for_tensorflow_only():
         "no_loops",
         "zero_steps",
         "float_units",
-        "more_rounds_than_steps",
+        "too_few_rounds",
+        "too_few_steps",
         "zero_budget",
         "budget_string",
         "unknown_model",
@@ -461,7 +465,7 @@ def test_float16_fusion_note_is_for_tensorflow_only():
     ],
 )
 def test_run_benchmark_rejects_bad_arguments(keyword, value, error, fragment):
-    arguments = {"steps": 4, "rounds": 2, "verbose": False, keyword: value}
+    arguments = {"steps": 100, "rounds": 5, "verbose": False, keyword: value}
     with pytest.raises(error, match=fragment):
         bench.run_benchmark(**arguments)
 
@@ -485,3 +489,74 @@ def test_plot_marks_skipped_steps_on_a_log_scale_axis(tmp_path):
     assert list(marks.get_xdata()) == [2]
     assert list(marks.get_ydata()) == [2.0]
     assert marks.get_marker() == "x"
+
+
+# --- Statistics in a run ------------------------------------------------------
+
+
+def test_every_ratio_comes_with_an_interval():
+    results = bench.run_benchmark(
+        ["float32", "mixed_float16"],
+        ["custom"],
+        steps=100,
+        warmup_steps=1,
+        overhead=True,
+        torch_amp=False,
+        **TINY,
+    )
+    for r in results:
+        assert r["rounds"] == 5 and r["steps"] == 100
+        assert len(r["block_times_ms"]) == 5
+        assert {len(blocks) for blocks in r["block_times_ms"]} == {4}
+        low, high = r["speedup_vs_float32_ci"]
+        assert low <= r["speedup_vs_float32"] <= high
+    kmp_row = results[1]
+    low, high = kmp_row["loss_scaling_overhead_ci"]
+    assert low <= kmp_row["loss_scaling_overhead"] <= high
+    # The same blocks give the same interval: the bootstrap is seeded.
+    again = [dict(r) for r in results]
+    bench.add_comparisons(again)
+    assert again[2]["kmp_over_native_ci"] == results[2]["kmp_over_native_ci"]
+    text = bench_report.format_table(results)
+    (_, rows), *_ = _tables(text)
+    for row in rows:
+        assert "[" in row["speed-up vs float32"]
+    assert "[95% interval] from a bootstrap over rounds and blocks" in text
+
+
+def test_a_wide_interval_is_flagged():
+    results = _with_comparisons(
+        [
+            _result("float32", "fit", 2.0, 0.97),
+            _result("mixed_bfloat16", "fit", 1.0, 0.97),
+        ]
+    )
+    results[1]["speedup_vs_float32_ci"] = [1.5, 2.5]
+    (_, rows), *_ = _tables(bench_report.format_table(results))
+    assert rows[1]["speed-up vs float32"] == "2.00 [1.50, 2.50] !"
+    assert "(95% interval 1.50x to 2.50x, noisy)" in (
+        bench_report.summarize(results)
+    )
+    results[1]["speedup_vs_float32_ci"] = [1.95, 2.1]
+    (_, rows), *_ = _tables(bench_report.format_table(results))
+    assert rows[1]["speed-up vs float32"] == "2.00 [1.95, 2.10]"
+
+
+def test_progress_into_a_file_prints_each_bar_once(capsys):
+    # Not a terminal (pytest captures stdout): as Keras's fit, one line
+    # per bar when it is done, not one per step.
+    bench.run_benchmark(
+        ["float32"],
+        ["fit", "custom"],
+        steps=100,
+        warmup_steps=1,
+        native=False,
+        torch_amp=False,
+        **dict(TINY, verbose=True),
+    )
+    output = capsys.readouterr().out
+    steps = 2 * (100 + 5)
+    assert output.count(f"/{steps}") == 1
+    assert f"{steps}/{steps} - " in output
+    assert output.count("2/2 - ") == 1  # The configurations' bar.
+    assert "\r" not in output and "\b" not in output
