@@ -86,6 +86,7 @@ def count_one(counter, loop, kind, size, steps):
         "per_step": per_step,
         "kmp_sites": sites,
         "compiled": compiled,
+        "skipped_steps": counts.skipped_steps,
     }
 
 
@@ -129,6 +130,11 @@ def print_table(backend, records):
             + " ".join(cells)
             + "  "
             + compiled_summary(r["compiled"])
+            + (
+                f"  ({r['skipped_steps']} skipped!)"
+                if r["skipped_steps"]
+                else ""
+            )
         )
 
 
@@ -150,7 +156,7 @@ def main(argv=None):
         default=",".join(map(str, models.SIZES)),
         help="trainable variables per model, comma-separated",
     )
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--output", default=None, help="the JSON file to write")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]

@@ -82,17 +82,38 @@ def make_step(kind, loop, n_variables, backend=None):
 
 def measure(counter, step, steps=3, warmup=2) -> Counts:
     """The events of `steps` calls of `step.run()` after `warmup` calls,
-    with `counter` installed (divide by `steps` for per-step counts).
+    with `counter` installed (divide by `steps` for per-step counts);
+    `counts.skipped_steps` says how many of them kmp's optimizer skipped.
 
     Raises:
         RuntimeError: the counter is not installed.
     """
     for _ in range(warmup):
         step.run()
+    before = skipped_steps(step)
     with counter.counting() as counts:
         for _ in range(steps):
             step.run()
+    counts.skipped_steps = skipped_steps(step) - before
     return counts
+
+
+def skipped_steps(step) -> int:
+    """How many steps kmp's optimizer in `step` skipped so far (0 for any
+    other optimizer). A skipped step takes another path: the counts are
+    meant for steps that are not skipped."""
+    import numpy as np
+
+    optimizer = getattr(step, "optimizer", None) or step.model.optimizer
+    variable = getattr(optimizer, "skipped_steps_variable", None)
+    if variable is None:
+        return 0
+    state = getattr(step, "state", None)
+    if state is None:  # TensorFlow, torch: the variable holds it.
+        return int(np.asarray(optimizer.skipped_steps))
+    # JAX: the step's state holds the optimizer's values.
+    index = next(i for i, v in enumerate(optimizer.variables) if v is variable)
+    return int(np.asarray(state[2][index]))
 
 
 __all__ = [
