@@ -101,7 +101,8 @@ def compiled_summary(compiled):
         )
     if "kernels" in compiled:
         return (
-            f"{compiled['kernels']} kernels, {compiled['conditional']} cond, "
+            f"{compiled['kernels']} kernels (+{compiled['kernels_in_branches']}"
+            f" in branches), {compiled['conditional']} cond, "
             f"{compiled['while']} while"
         )
     return (

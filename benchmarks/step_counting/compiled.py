@@ -6,7 +6,8 @@
 instructions of its ENTRY computation that launch work (fusions, copies,
 custom calls...: everything but parameters, constants, tuples and the
 like), and separately its `conditional` and `while` instructions, whose
-branches and bodies are other computations.
+branches and bodies are other computations, and the kernels inside them
+(the largest branch of each conditional).
 
 `tf_graph_ops(concrete_function)` counts the ops a `tf.function` runs:
 those of its graph and of the functions it calls, and separately the ops
@@ -27,22 +28,37 @@ TRIVIAL_HLO = {
     "opt-barrier",
     "partition-id",
     "replica-id",
+    "call",  # Its computation's kernels count (`kernels_in_branches`).
 }
 _OPCODE = re.compile(r"([a-z][a-z0-9_-]*)\(")
 
 
-def _entry_lines(text):
-    lines = text.splitlines()
-    inside = False
-    for line in lines:
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.-]+)\s*(\(.*\))?.*\{\s*$")
+_CALLED = re.compile(
+    r"(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.-]+)"
+    r"|false_computation=%?([\w.-]+)|body=%?([\w.-]+)"
+    r"|condition=%?([\w.-]+)|to_apply=%?([\w.-]+))"
+)
+
+
+def _computations(text):
+    """`({name: [instruction lines]}, entry name)` of an HLO module."""
+    computations, entry, name = {}, None, None
+    for line in text.splitlines():
         stripped = line.strip()
-        if stripped.startswith("ENTRY "):
-            inside = True
+        if name is None:
+            match = _HEADER.match(stripped)
+            if match and not stripped.startswith("HloModule"):
+                name = match.group(2)
+                computations[name] = []
+                if match.group(1):
+                    entry = name
             continue
-        if inside:
-            if stripped == "}":
-                return
-            yield stripped
+        if stripped == "}":
+            name = None
+        elif stripped:
+            computations[name].append(stripped)
+    return computations, entry
 
 
 def hlo_opcode(line):
@@ -54,23 +70,74 @@ def hlo_opcode(line):
     return match.group(1) if match else None
 
 
+def _kernels(computations, name, seen=()):
+    """Kernels of computation `name`: its own, plus for each conditional
+    the largest of its branches' and for each while loop its body's and
+    condition's (once: a count per iteration), and a called
+    computation's."""
+    own, inside = 0, 0
+    for line in computations.get(name, []):
+        code = hlo_opcode(line)
+        if code is None or (code in TRIVIAL_HLO and code != "call"):
+            continue
+        own += code != "call"
+        if code not in ("conditional", "while", "call") or name in seen:
+            continue
+        called = []
+        for groups in _CALLED.findall(line):
+            for group in groups:
+                called += [c.strip().lstrip("%") for c in group.split(",")]
+        sizes = [_kernels(computations, c, seen + (name,)) for c in called if c]
+        if sizes:
+            inside += max(sizes) if code == "conditional" else sum(sizes)
+    return own + inside
+
+
+def _reached_opcodes(computations, name, seen=()):
+    """Opcodes of `name` and of the computations its conditionals, while
+    loops and calls run (not fusions' insides)."""
+    found = collections.Counter()
+    for line in computations.get(name, []):
+        code = hlo_opcode(line)
+        found[code] += 1
+        if code in ("conditional", "while", "call") and name not in seen:
+            for groups in _CALLED.findall(line):
+                for group in groups:
+                    for called in group.split(","):
+                        called = called.strip().lstrip("%")
+                        if called:
+                            found += _reached_opcodes(
+                                computations, called, seen + (name,)
+                            )
+    return found
+
+
 def hlo_kernels(text: str) -> dict:
-    """`{"kernels", "conditional", "while", "opcodes"}` of the ENTRY
-    computation of an HLO module's text (see the module docstring).
+    """`{"kernels", "kernels_in_branches", "conditional", "while",
+    "opcodes"}` of the ENTRY computation of an HLO module's text (see the
+    module docstring; `conditional` and `while` also count those inside
+    called computations and branches); `kernels_in_branches`: those of
+    the largest branch of each conditional, of each while loop's body
+    (once) and of called computations.
 
     Raises:
         ValueError: the text has no ENTRY computation.
     """
-    if "ENTRY " not in text:
+    computations, entry = _computations(text)
+    if entry is None:
         raise ValueError("The HLO text has no ENTRY computation.")
     opcodes = collections.Counter(
-        code for code in map(hlo_opcode, _entry_lines(text)) if code is not None
+        code
+        for code in map(hlo_opcode, computations[entry])
+        if code is not None
     )
     kernels = sum(n for code, n in opcodes.items() if code not in TRIVIAL_HLO)
+    reached = _reached_opcodes(computations, entry)
     return {
         "kernels": kernels,
-        "conditional": opcodes.get("conditional", 0),
-        "while": opcodes.get("while", 0),
+        "kernels_in_branches": _kernels(computations, entry) - kernels,
+        "conditional": reached.get("conditional", 0),
+        "while": reached.get("while", 0),
         "opcodes": dict(opcodes.most_common()),
     }
 
