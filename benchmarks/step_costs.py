@@ -7,8 +7,9 @@ mixed_float16, Adam, dynamic loss scaling) and each way of training it:
   `LossScaleOptimizer` (and on torch a torch loop with `torch.optim.Adam`,
   alone and with PyTorch's `torch.amp.GradScaler`),
 * in `fit` (Keras's train function, called once per step as `fit` calls
-  it) and in the backend's documented custom loop (`loop`: the
-  `tf.function` GradientTape step of docs/training.md,
+  it; on TensorFlow also `fit-xla`, compiled by XLA as on a GPU) and in
+  the backend's documented custom loop (`loop`: the `tf.function`
+  GradientTape step of docs/training.md,
   examples/jax_custom_loop.py with `check_persistent_skips`,
   examples/torch_custom_loop.py),
 
@@ -22,6 +23,7 @@ Counts, not times: the same on any machine for the same versions.
     python benchmarks/step_costs.py                 # TensorFlow
     KERAS_BACKEND=jax python benchmarks/step_costs.py
     KERAS_BACKEND=torch python benchmarks/step_costs.py [--sizes 4,22]
+        [--loops fit] [--optimizers plain,kmp] [--steps 2] [--output F]
 
 Writes benchmarks/results/step_costs_<backend>.json.
 """
@@ -51,10 +53,10 @@ def optimizers(backend):
     return models.OPTIMIZERS + extra
 
 
-def configurations(backend, sizes):
-    for loop in models.LOOPS:
-        for kind in optimizers(backend):
-            if loop == "fit" and kind in ("torch-adam", "gradscaler"):
+def configurations(backend, sizes, loops=None, kinds=None):
+    for loop in loops or models.loops(backend):
+        for kind in kinds or optimizers(backend):
+            if loop != "loop" and kind in ("torch-adam", "gradscaler"):
                 continue
             for size in sizes:
                 yield loop, kind, size
@@ -115,7 +117,7 @@ def compiled_summary(compiled):
 def print_table(backend, records):
     print(f"\nPer step on {backend} (kmp's own / all):")
     header = (
-        f"{'path':5} {'optimizer':11} {'vars':>4}  {'reads':>11} "
+        f"{'path':7} {'optimizer':11} {'vars':>4}  {'reads':>11} "
         f"{'uploads':>11} {'kernels':>13}  compiled step"
     )
     print(header)
@@ -127,7 +129,7 @@ def print_table(backend, records):
             for k, w in (("read", 11), ("upload", 11), ("kernel", 13))
         ]
         print(
-            f"{r['loop']:5} {r['optimizer']:11} {r['variables']:>4}  "
+            f"{r['loop']:7} {r['optimizer']:11} {r['variables']:>4}  "
             + " ".join(cells)
             + "  "
             + compiled_summary(r["compiled"])
@@ -157,6 +159,14 @@ def main(argv=None):
         default=",".join(map(str, models.SIZES)),
         help="trainable variables per model, comma-separated",
     )
+    parser.add_argument(
+        "--loops", default=None, help="fit, loop (fit-xla), comma-separated"
+    )
+    parser.add_argument(
+        "--optimizers",
+        default=None,
+        help="plain, keras, kmp (torch-adam, gradscaler), comma-separated",
+    )
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--output", default=None, help="the JSON file to write")
     args = parser.parse_args(argv)
@@ -165,7 +175,9 @@ def main(argv=None):
     counter = step_counting.counter(backend)
     records = []
     with counter:
-        for loop, kind, size in configurations(backend, sizes):
+        loops = args.loops.split(",") if args.loops else None
+        kinds = args.optimizers.split(",") if args.optimizers else None
+        for loop, kind, size in configurations(backend, sizes, loops, kinds):
             record = count_one(counter, loop, kind, size, args.steps)
             records.append(record)
             print(f"  {loop} {kind} {size}: done", file=sys.stderr)

@@ -58,18 +58,20 @@ def counter(backend=None):
 
 def make_step(kind, loop, n_variables, backend=None):
     """A step of `kind`'s optimizer (`models.OPTIMIZERS`, and on torch
-    `"torch-adam"`, `"gradscaler"`) in `loop` (`"fit"` or `"loop"`, the
-    backend's documented custom loop) on a model of `n_variables`
-    trainable variables: an object whose `run()` takes one step and whose
-    `compiled()` counts the kernels of the compiled step (None on torch).
+    `"torch-adam"`, `"gradscaler"`) in `loop` (`"fit"`, `"loop"`: the
+    backend's documented custom loop; on TensorFlow also `"fit-xla"`) on
+    a model of `n_variables` trainable variables: an object whose `run()`
+    takes one step and whose `compiled()` counts the kernels of the
+    compiled step (None on torch).
     """
     if backend is None:
         import keras
 
         backend = keras.backend.backend()
-    if loop not in models.LOOPS:
+    if loop not in models.loops(backend):
         raise ValueError(
-            f"'loop' must be one of {models.LOOPS}. Received: loop={loop!r}"
+            f"'loop' must be one of {models.loops(backend)} on {backend}. "
+            f"Received: loop={loop!r}"
         )
     if backend == "torch":
         from .torch_steps import Step

@@ -14,6 +14,16 @@ import kmp
 SIZES = (4, 22, 202)
 OPTIMIZERS = ("plain", "keras", "kmp")
 LOOPS = ("fit", "loop")
+# On TensorFlow also `fit` compiled by XLA, as Keras compiles it by default
+# on a GPU ("auto" is plain TensorFlow on a CPU-only machine).
+TF_LOOPS = ("fit", "fit-xla", "loop")
+
+
+def loops(backend: str):
+    """The ways of training counted on `backend`."""
+    return TF_LOOPS if backend == "tensorflow" else LOOPS
+
+
 INPUTS = 16
 UNITS = 32
 OUTPUTS = 4
@@ -68,7 +78,9 @@ def data(seed: int = 0):
     return x, y
 
 
-def compiled_for_fit(kind: str, n_variables: int) -> keras.Model:
+def compiled_for_fit(
+    kind: str, n_variables: int, jit_compile="auto"
+) -> keras.Model:
     """The model compiled as `fit` trains it with `kind`'s optimizer
     (Keras adds no loss scaling of its own: `auto_scale_loss=False` for
     plain Adam; a loss-scale optimizer passed is kept)."""
@@ -77,5 +89,6 @@ def compiled_for_fit(kind: str, n_variables: int) -> keras.Model:
         optimizer=make_optimizer(kind),
         loss="mse",
         auto_scale_loss=False,
+        jit_compile=jit_compile,
     )
     return model

@@ -2,6 +2,7 @@
 it.
 
 - `fit`: Keras's train function on a `tf.data` iterator, as `fit` calls it;
+- `fit-xla`: the same with `jit_compile=True` (Keras's default on a GPU);
 - `loop`: the `tf.function` GradientTape step of `docs/training.md` (with
   kmp, `get_scaled_loss`, `get_unscaled_gradients`, `apply_gradients`;
   with Keras's optimizer, gradients of `scale_loss(loss)` given to
@@ -25,8 +26,10 @@ class Step:
         x, y = models.data()
         self.x, self.y = tf.constant(x), tf.constant(y)
         self.kind = kind
-        if loop == "fit":
-            self.model = models.compiled_for_fit(kind, n_variables)
+        if loop in ("fit", "fit-xla"):
+            self.model = models.compiled_for_fit(
+                kind, n_variables, jit_compile=loop == "fit-xla"
+            )
             # As fit does first: the optimizer's and metrics' variables.
             self.model._symbolic_build(data_batch=(x, y))
             self.model.make_train_function()

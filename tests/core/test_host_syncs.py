@@ -125,7 +125,7 @@ def test_counter_passes_through_kmps_call_of_the_inner_optimizer(counter):
 # --- kmp's step -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("loop", ["fit", "loop"])
+@pytest.mark.parametrize("loop", step_counting.models.loops(BACKEND))
 def test_kmp_step_reads_and_uploads_nothing_it_need_not(counter, loop):
     counts = _kmp_step_counts(counter, loop)
     assert counts.skipped_steps == 0  # (Else it measured another path.)
