@@ -1,0 +1,211 @@
+"""What one training step costs the host, counted: syncs, uploads, kernels.
+
+For each model (Dense stacks of 4, 22 and 202 trainable variables under
+mixed_float16, Adam, dynamic loss scaling) and each way of training it:
+
+* plain Adam (no loss scaling), Keras's `LossScaleOptimizer`, kmp's
+  `LossScaleOptimizer` (and on torch a torch loop with `torch.optim.Adam`,
+  alone and with PyTorch's `torch.amp.GradScaler`),
+* in `fit` (Keras's train function, called once per step as `fit` calls
+  it; on TensorFlow also `fit-xla`, compiled by XLA as on a GPU) and in
+  the backend's documented custom loop (`loop`: the `tf.function`
+  GradientTape step of docs/training.md,
+  examples/jax_custom_loop.py with `check_persistent_skips`,
+  examples/torch_custom_loop.py),
+
+it prints, per step (a few steps after warm-up, divided): blocking host
+reads (the host waits for the device), uploads of Python or NumPy values
+and kernels dispatched, in all and those attributed to kmp's own code
+(`benchmarks/step_counting`), and the kernels of the compiled step (JAX's
+HLO; TensorFlow's graph ops, with `If`s). Then kmp's call sites, per step.
+Counts, not times: the same on any machine for the same versions.
+
+    python benchmarks/step_costs.py                 # TensorFlow
+    KERAS_BACKEND=jax python benchmarks/step_costs.py
+    KERAS_BACKEND=torch python benchmarks/step_costs.py [--sizes 4,22]
+        [--loops fit] [--optimizers plain,kmp] [--steps 2] [--output F]
+
+Writes benchmarks/results/step_costs_<backend>.json.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import step_counting  # noqa: E402
+from step_counting import models  # noqa: E402
+
+import kmp  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+KINDS = step_counting.KINDS
+
+
+def optimizers(backend):
+    extra = ("torch-adam", "gradscaler") if backend == "torch" else ()
+    return models.OPTIMIZERS + extra
+
+
+def configurations(backend, sizes, loops=None, kinds=None):
+    for loop in loops or models.loops(backend):
+        for kind in kinds or optimizers(backend):
+            if loop != "loop" and kind in ("torch-adam", "gradscaler"):
+                continue
+            for size in sizes:
+                yield loop, kind, size
+
+
+def count_one(counter, loop, kind, size, steps):
+    kmp.set_global_policy("mixed_float16")
+    try:
+        step = step_counting.make_step(kind, loop, size)
+        counts = step_counting.measure(counter, step, steps=steps)
+        compiled = step.compiled()
+    finally:
+        kmp.set_global_policy(None)
+        keras.backend.clear_session(free_memory=False)
+    per_step = {
+        k: {owner: n / steps for owner, n in counts.by_owner(k).items()}
+        for k in KINDS
+    }
+    for k in KINDS:
+        per_step[k]["all"] = counts.total(k) / steps
+    sites = {
+        k: {site: n / steps for site, n in counts.sites(k, owner="kmp").items()}
+        for k in KINDS
+    }
+    return {
+        "loop": loop,
+        "optimizer": kind,
+        "variables": size,
+        "per_step": per_step,
+        "kmp_sites": sites,
+        "compiled": compiled,
+        "skipped_steps": counts.skipped_steps,
+    }
+
+
+def compiled_summary(compiled):
+    if not compiled:
+        return "-"
+    if "hlo" in compiled:
+        hlo = compiled["hlo"]
+        return (
+            f"graph {compiled['ops']} ops, {compiled['If']} If; XLA "
+            f"{hlo['kernels']} kernels, {hlo['conditional']} cond"
+        )
+    if "kernels" in compiled:
+        return (
+            f"{compiled['kernels']} kernels (+{compiled['kernels_in_branches']}"
+            f" in branches), {compiled['conditional']} cond, "
+            f"{compiled['while']} while"
+        )
+    return (
+        f"{compiled['ops']} ops, {compiled['If']} If "
+        f"(+{compiled['ops_in_branches']} in branches), "
+        f"{compiled['While']} While"
+    )
+
+
+def print_table(backend, records):
+    print(f"\nPer step on {backend} (kmp's own / all):")
+    header = (
+        f"{'path':7} {'optimizer':11} {'vars':>4}  {'reads':>11} "
+        f"{'uploads':>11} {'kernels':>13}  compiled step"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in records:
+        p = r["per_step"]
+        cells = [
+            f"{p[k]['kmp']:g} / {p[k]['all']:g}".rjust(w)
+            for k, w in (("read", 11), ("upload", 11), ("kernel", 13))
+        ]
+        print(
+            f"{r['loop']:7} {r['optimizer']:11} {r['variables']:>4}  "
+            + " ".join(cells)
+            + "  "
+            + compiled_summary(r["compiled"])
+            + (
+                f"  ({r['skipped_steps']} skipped!)"
+                if r["skipped_steps"]
+                else ""
+            )
+        )
+
+
+def print_sites(records):
+    print("\nkmp's call sites (per step), kmp.LossScaleOptimizer:")
+    for r in records:
+        if r["optimizer"] != "kmp":
+            continue
+        print(f"  {r['loop']}, {r['variables']} variables:")
+        for kind in ("read", "upload"):
+            for site, n in r["kmp_sites"][kind].items():
+                print(f"    {kind:6} {n:g}  {site}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--sizes",
+        default=",".join(map(str, models.SIZES)),
+        help="trainable variables per model, comma-separated",
+    )
+    parser.add_argument(
+        "--loops", default=None, help="fit, loop (fit-xla), comma-separated"
+    )
+    parser.add_argument(
+        "--optimizers",
+        default=None,
+        help="plain, keras, kmp (torch-adam, gradscaler), comma-separated",
+    )
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--output", default=None, help="the JSON file to write")
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    backend = keras.backend.backend()
+    counter = step_counting.counter(backend)
+    records = []
+    with counter:
+        loops = args.loops.split(",") if args.loops else None
+        kinds = args.optimizers.split(",") if args.optimizers else None
+        for loop, kind, size in configurations(backend, sizes, loops, kinds):
+            record = count_one(counter, loop, kind, size, args.steps)
+            records.append(record)
+            print(f"  {loop} {kind} {size}: done", file=sys.stderr)
+    print_table(backend, records)
+    print_sites(records)
+    output = args.output or RESULTS / f"step_costs_{backend}.json"
+    versions = {"keras": keras.__version__, "python": platform.python_version()}
+    if backend == "torch":
+        import torch
+
+        versions["torch"] = torch.__version__
+    elif backend == "jax":
+        import jax
+
+        versions["jax"] = jax.__version__
+    else:
+        import tensorflow as tf
+
+        versions["tensorflow"] = tf.__version__
+    pathlib.Path(output).write_text(
+        json.dumps(
+            {"backend": backend, "versions": versions, "records": records},
+            indent=1,
+        )
+        + "\n"
+    )
+    print(f"\nWrote {output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""One training step on JAX, as `fit` and the documented loop take it.
+
+- `fit`: Keras's train function on one batch, as `fit` calls it (the
+  state in, the state out; kmp's `compile` patch checks persistent skips
+  after it);
+- `loop`: `examples/jax_custom_loop.py`'s jitted step (with kmp,
+  `stateless_scale_loss`, `stateless_unscale_gradients`, `stateless_apply`
+  with `scaled=False`, then `check_persistent_skips` on the new state;
+  with Keras's optimizer, gradients of `scale_loss(loss)`, unscaled by its
+  `stateless_apply`; with Adam, `stateless_apply`).
+
+`compiled()` counts the kernels of the compiled step (`compiled`).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from . import compiled
+from . import models
+
+
+class Step:
+    """`run()` takes one step; `compiled()` counts its HLO's kernels."""
+
+    def __init__(self, kind, loop, n_variables):
+        x, y = models.data()
+        self.x, self.y = jnp.asarray(x), jnp.asarray(y)
+        self.kind = kind
+        if loop == "fit":
+            self.model = models.compiled_for_fit(kind, n_variables)
+            # As fit does first: the optimizer's and metrics' variables.
+            self.model._symbolic_build(data_batch=(x, y))
+            self.model.make_train_function()
+            self.state = self.model._get_jax_state(
+                trainable_variables=True,
+                non_trainable_variables=True,
+                optimizer_variables=True,
+                metrics_variables=True,
+            )
+            self.run = self._fit
+        else:
+            self.model = models.build_model(n_variables)
+            self.optimizer = models.make_optimizer(kind)
+            self.optimizer.build(self.model.trainable_variables)
+            self.loss_fn = jax_loss
+            self._jitted = jax.jit(self._loop_step())
+            self.state = (
+                [v.value for v in self.model.trainable_variables],
+                [v.value for v in self.model.non_trainable_variables],
+                [v.value for v in self.optimizer.variables],
+            )
+            self.run = self._loop
+
+    def _fit(self):
+        logs, self.state = self.model.train_function(
+            self.state, iter([(self.x, self.y)])
+        )
+        return logs
+
+    def _loop(self):
+        self.state, loss = self._jitted(self.state, self.x, self.y)
+        if self.kind == "kmp":
+            # As the example: after every step, with the step's state.
+            self.optimizer.check_persistent_skips(self.state[2])
+        return loss
+
+    def _loop_step(self):
+        model, optimizer, kind = self.model, self.optimizer, self.kind
+
+        def step(state, x, y):
+            trainable, non_trainable, values = state
+
+            def loss_of(trainable):
+                y_pred, non_trainable_after = model.stateless_call(
+                    trainable, non_trainable, x, training=True
+                )
+                loss = jax_loss(y, y_pred)
+                if kind == "kmp":
+                    scaled = optimizer.stateless_scale_loss(values, loss)
+                elif kind == "keras":
+                    scaled = optimizer.scale_loss(loss)
+                else:
+                    scaled = loss
+                return scaled, (loss, non_trainable_after)
+
+            (_, (loss, non_trainable)), grads = jax.value_and_grad(
+                loss_of, has_aux=True
+            )(trainable)
+            if kind == "kmp":
+                grads = optimizer.stateless_unscale_gradients(values, grads)
+                trainable, values = optimizer.stateless_apply(
+                    values, grads, trainable, scaled=False
+                )
+            else:
+                trainable, values = optimizer.stateless_apply(
+                    values, grads, trainable
+                )
+            return (trainable, non_trainable, values), loss
+
+        return step
+
+    def compiled(self):
+        """`compiled.hlo_kernels` of the step, as XLA compiles it here."""
+        if hasattr(self, "_jitted"):
+            lowered = self._jitted.lower(self.state, self.x, self.y)
+        else:
+            lowered = jax.jit(self.model.train_step).lower(
+                self.state, (self.x, self.y)
+            )
+        return compiled.hlo_kernels(lowered.compile().as_text())
+
+
+def jax_loss(y, y_pred):
+    """Mean squared error in float32 (as Keras's "mse")."""
+    import keras
+
+    return keras.losses.mean_squared_error(y, y_pred).mean()
