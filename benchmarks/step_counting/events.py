@@ -4,6 +4,13 @@ An event is one blocking host read (`"read"`), one upload of a Python or
 NumPy value (`"upload"`) or one kernel dispatched (`"kernel"`), with what
 caused it (an op or method name), its owner (`OWNERS`) and the call site
 it is attributed to (see `attribution`).
+
+A read that kmp's persistent-skips check makes of an earlier step's
+numbers (`kmp/core/step/lagged.py`: a small copy whose transfer to the host
+started a step before, read while the device runs the next step) is a
+`"late_read"`: it waits for that copy, not for the step the device is
+running (`tests/core/test_jax.py` checks that the check returns before a
+running step has finished).
 """
 
 import collections
@@ -15,7 +22,9 @@ from typing import Optional
 
 from . import attribution
 
-KINDS = ("read", "upload", "kernel")
+KINDS = ("read", "late_read", "upload", "kernel")
+# The module whose reads are of an earlier step's numbers (see above).
+_LATE_READER = "kmp/core/step/lagged.py:"
 OWNERS = attribution.OWNERS
 
 
@@ -159,6 +168,8 @@ class Counter:
         if counts is None:
             return
         owner, site, via = attribution.attribute()
+        if kind == "read" and site.startswith(_LATE_READER):
+            kind = "late_read"
         counts.add(Event(kind, what, owner, site, via))
 
     @contextlib.contextmanager

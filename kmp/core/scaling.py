@@ -46,9 +46,20 @@ def unscale_gradients(gradients: Iterable, scale, keep=()) -> List:
     """Divides every gradient by `scale` (None stays None; `keep` indices too).
 
     One op per gradient, which runs as soon as that gradient is computed,
-    alongside the rest of the backward pass. Sparse gradients are divided on
-    their values and stay sparse.
+    alongside the rest of the backward pass (on torch one multi-tensor op
+    per dtype, `kmp.core.step.torch.unscale`). Sparse gradients are divided
+    on their values and stay sparse.
     """
+    if backend.is_torch():
+        import torch
+
+        from kmp.core.step import torch as torch_step
+
+        scale = getattr(scale, "value", scale)
+        if torch.is_tensor(scale) and all(
+            g is None or torch.is_tensor(g) for g in gradients
+        ):
+            return torch_step.unscale(list(gradients), scale, set(keep))
     unscaled = []
     for index, gradient in enumerate(gradients):
         if gradient is None or index in keep:

@@ -140,6 +140,10 @@ def test_kmp_step_reads_and_uploads_nothing_it_need_not(counter, loop):
         f"{uploads:g} uploads per step (allowed: {allowed} in all); kmp's "
         f"sites over {STEPS} steps:\n{_listing(counts)}"
     )
+    # The persistent-skips check outside a compiled step reads one earlier
+    # step's numbers per step at most, never the running step's.
+    late = counts.per_step("late_read", STEPS, owner="kmp")
+    assert late <= 1, _listing(counts, kinds=("late_read",))
 
 
 @pytest.mark.torch
