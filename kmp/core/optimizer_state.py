@@ -302,7 +302,7 @@ class StateMixin:
         for values in self._lagged_checks().due():
             self.report_persistent_skips(*values)
 
-    def check_persistent_skips_packed(self, packed) -> None:
+    def _check_persistent_skips_packed(self, packed) -> None:
         """`check_persistent_skips` on a step's numbers already packed by
         the step (`kmp.core.step.lagged.pack`): what `fit` does on JAX."""
         if self._max_consecutive_skips is None:

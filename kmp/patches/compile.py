@@ -157,7 +157,7 @@ def make_train_function(original, self, force=False):
                 if packed is None:  # A train_step of the model's own.
                     optimizer.check_persistent_skips(outputs[1][2])
                 else:
-                    optimizer.check_persistent_skips_packed(packed)
+                    optimizer._check_persistent_skips_packed(packed)
             except FloatingPointError:
                 _write_back(self, outputs[1])
                 raise
