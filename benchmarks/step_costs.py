@@ -25,7 +25,8 @@ Counts, not times: the same on any machine for the same versions.
     KERAS_BACKEND=torch python benchmarks/step_costs.py [--sizes 4,22]
         [--loops fit] [--optimizers plain,kmp] [--steps 2] [--output F]
 
-Writes benchmarks/results/step_costs_<backend>.json.
+Writes benchmarks/results/step_costs/<backend>.json (`step_costs_summary.py`
+makes the performance page's table from those files).
 """
 
 import argparse
@@ -183,7 +184,7 @@ def main(argv=None):
             print(f"  {loop} {kind} {size}: done", file=sys.stderr)
     print_table(backend, records)
     print_sites(records)
-    output = args.output or RESULTS / f"step_costs_{backend}.json"
+    output = args.output or RESULTS / "step_costs" / f"{backend}.json"
     versions = {"keras": keras.__version__, "python": platform.python_version()}
     if backend == "torch":
         import torch

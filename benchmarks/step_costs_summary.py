@@ -1,0 +1,146 @@
+"""The performance page's table of step costs, from `step_costs.py`'s files.
+
+Reads `benchmarks/results/step_costs/<backend>.json` (main now) and
+`<backend>_before.json` beside it (main at 8e495fb, before the step
+stopped waiting for the device) and writes
+`benchmarks/results/step_costs.json` in the page's format
+(`docs/_ext/perf_results.py`): per backend and loop, the host reads per
+step that kmp's own code makes, and what each way of loss scaling adds to
+plain Adam's step in kernels (torch: ops dispatched; JAX: kernels of the
+compiled step, those inside a conditional's branches included).
+
+    python benchmarks/step_costs_summary.py
+"""
+
+import json
+import pathlib
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+SERIES = {
+    "kmp_before": "kmp before (8e495fb)",
+    "kmp": "kmp now",
+    "keras": "Keras LossScaleOptimizer",
+    "gradscaler": "PyTorch GradScaler",
+}
+
+
+def _records(path):
+    document = json.loads(path.read_text())
+    return {
+        (r["loop"], r["optimizer"], r["variables"]): r
+        for r in document["records"]
+    }, document["versions"]
+
+
+def _kernels(record):
+    compiled = record.get("compiled")
+    if compiled:
+        return compiled["kernels"] + compiled["kernels_in_branches"]
+    return record["per_step"]["kernel"]["all"]
+
+
+def main():
+    reads, kernels, machines = [], [], []
+    for backend in ("torch", "jax"):
+        now, versions = _records(RESULTS / "step_costs" / f"{backend}.json")
+        before, _ = _records(RESULTS / "step_costs" / f"{backend}_before.json")
+        machines.append(
+            f"{backend}: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(versions.items()))
+        )
+        for (loop, optimizer, size), record in sorted(now.items()):
+            name = {"kmp": "kmp", "keras": "keras", "gradscaler": "gradscaler"}
+            if optimizer not in name:
+                continue
+            plain = "torch-adam" if optimizer == "gradscaler" else "plain"
+            base = _kernels(now[(loop, plain, size)])
+            group = f"{backend}, {loop}, {size} variables"
+            rows = [(optimizer, record)]
+            if optimizer == "kmp" and (loop, "kmp", size) in before:
+                rows.insert(0, ("kmp_before", before[(loop, "kmp", size)]))
+            for series, row in rows:
+                plain_row = now[(loop, plain, size)]
+                if series == "kmp_before":
+                    plain_row = before[(loop, plain, size)]
+                    base = _kernels(plain_row)
+                kernels.append(
+                    {
+                        "group": group,
+                        "series": SERIES[series],
+                        "value": _kernels(row) - base,
+                    }
+                )
+                if size == 4:
+                    per = row["per_step"]
+                    if series.startswith("kmp"):
+                        count = per["read"]["kmp"] + per["upload"]["kmp"]
+                    else:  # Beyond the plain step's own.
+                        base_per = plain_row["per_step"]
+                        count = sum(
+                            per[k]["all"] - base_per[k]["all"]
+                            for k in ("read", "upload")
+                        )
+                    reads.append(
+                        {
+                            "group": f"{backend}, {loop}",
+                            "series": SERIES[series],
+                            "value": count,
+                        }
+                    )
+    document = {
+        "format": "kmp-benchmark-results/1",
+        "title": "Step costs: host reads and kernels per step, on a CPU",
+        "about": (
+            "What loss scaling adds to a mixed_float16 training step with "
+            "Adam (dynamic scaling, the default persistent-skips limit), "
+            "counted, not timed, by `benchmarks/step_costs.py` "
+            "(`benchmarks/step_counting/`): host reads of device values and "
+            "uploads of Python numbers per step (each a wait for the device "
+            "on a GPU; kmp's own code's, and for Keras's "
+            "LossScaleOptimizer and GradScaler what they add to the plain "
+            "step's), "
+            "and the kernels it adds to plain Adam's step (torch: ops "
+            "dispatched; JAX: kernels of the compiled step, both branches "
+            "of every conditional counted). `fit` is Keras's train "
+            "function; `loop` each backend's documented custom loop. kmp's "
+            "persistent-skips check outside a compiled step reads one "
+            "earlier step's numbers per step, a copy already on its way to "
+            "the host (not counted here: `tests/core/test_host_syncs.py`)."
+        ),
+        "date": "2026-11-27",
+        "machine": "2-core x86-64 CPU, no GPU; " + "; ".join(machines),
+        "source": "benchmarks/results/step_costs/*.json",
+        "commands": {
+            "torch": "KERAS_BACKEND=torch python benchmarks/step_costs.py",
+            "jax": "KERAS_BACKEND=jax python benchmarks/step_costs.py",
+        },
+        "tables": [
+            {
+                "caption": "Host reads and uploads per step (4 variables)",
+                "unit": "",
+                "decimals": 1,
+                "better": "lower",
+                "measurements": reads,
+            },
+            {
+                "caption": "Kernels added to plain Adam's step",
+                "unit": "",
+                "decimals": 0,
+                "better": "lower",
+                "measurements": kernels,
+            },
+        ],
+        "notes": [
+            "The same counts on TensorFlow (`step_costs/tensorflow*.json`): "
+            "no host read by kmp in a `tf.function` step or `fit`; under "
+            "XLA `fit` read 2 values per step before, now a copy of the "
+            "previous step's.",
+        ],
+    }
+    path = RESULTS / "step_costs.json"
+    path.write_text(json.dumps(document, indent=1) + "\n")
+    print(f"Wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
