@@ -2,7 +2,7 @@
 
 `setup.cfg` runs the docstring examples of `kmp/` and `kmp_cli/` too. A
 module written for one backend (named after it, `tf_*.py`, `jax_*.py`,
-`torch_*.py`, in a tool's package `tensorflow.py`, `jax.py`, `torch.py`,
+`torch_*.py`, in a package `tensorflow.py`, `jax.py`, `torch.py`,
 and those listed below) imports only there, so on the others
 it is not collected. Everything else in `kmp/` must import, and its
 examples pass, on every backend. (The test set-up proper is
@@ -19,15 +19,15 @@ import keras  # noqa: E402
 # Paths relative to this directory; shell patterns.
 TENSORFLOW_ONLY_MODULES = (
     "kmp/*/tf_*.py",
-    "kmp/tools/*/tensorflow.py",
+    "kmp/*/*/tensorflow.py",
     "kmp/core/fused.py",
     "kmp/patches/dense.py",
     "kmp/patches/mean.py",
 )
 BACKEND_MODULES = {
     "tensorflow": TENSORFLOW_ONLY_MODULES,
-    "jax": ("kmp/*/jax_*.py", "kmp/tools/*/jax.py"),
-    "torch": ("kmp/*/torch_*.py", "kmp/tools/*/torch.py"),
+    "jax": ("kmp/*/jax_*.py", "kmp/*/*/jax.py"),
+    "torch": ("kmp/*/torch_*.py", "kmp/*/*/torch.py"),
 }
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
