@@ -55,10 +55,12 @@ SCALES = {
 }
 # Under jit the wrapped and bare steps may differ by this many float32
 # ulps, in any weight or optimizer variable, after each of STEPS steps.
-# Measured (JAX 0.10.2, an AVX2 CPU; kmp's step with lax.cond): 1 for SGD
-# with Nesterov momentum, 0 for every other optimizer, at both scales. The
+# Measured (JAX 0.10.2, an AVX2 CPU), kmp's step selecting with jnp.where
+# (no lax.cond, which waits for the host on a GPU): 13 for Nadam, 12 for
+# RMSprop with momentum, 11 centered, 10 for Lion, at most 4 for the others
+# (with lax.cond: 1 for SGD with Nesterov momentum, 0 for the rest). The
 # bound leaves room for other CPUs' vector widths and XLA's choices.
-MAX_ULPS = 4
+MAX_ULPS = 32
 STEPS = 2
 BATCH = training.BATCH_SIZE
 
