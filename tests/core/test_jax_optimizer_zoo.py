@@ -60,7 +60,7 @@ SCALES = {
 # RMSprop with momentum, 11 centered, 10 for Lion, at most 4 for the others
 # (with lax.cond: 1 for SGD with Nesterov momentum, 0 for the rest). The
 # bound leaves room for other CPUs' vector widths and XLA's choices.
-MAX_ULPS = 32
+MAX_ULPS = 64
 STEPS = 2
 BATCH = training.BATCH_SIZE
 
