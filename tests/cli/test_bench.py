@@ -27,6 +27,9 @@ from kmp.tools.bench import stats as bench_stats
 from kmp_cli import main
 from tests.support import backends
 
+# With -n: one worker runs this module: its whole-command run is built once.
+pytestmark = pytest.mark.xdist_group("kmp_bench_run")
+
 TINY = [
     "--steps",
     "100",
@@ -459,6 +462,7 @@ def test_a_gpu_model_with_the_loss_scaling_overhead():
         "unknown_option",
     ],
 )
+@pytest.mark.anybackend
 def test_bad_arguments_are_usage_errors(arguments, fragment, tmp_path, capsys):
     arguments = [a.format(tmp=tmp_path) for a in arguments]
     with pytest.raises(SystemExit) as raised:
@@ -469,6 +473,7 @@ def test_bad_arguments_are_usage_errors(arguments, fragment, tmp_path, capsys):
     assert fragment in error
 
 
+@pytest.mark.anybackend
 def test_help_through_python_dash_m():
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     completed = subprocess.run(
@@ -484,6 +489,7 @@ def test_help_through_python_dash_m():
         assert option in completed.stdout
 
 
+@pytest.mark.anybackend
 def test_the_command_line_defaults_are_run_benchmarks():
     assert kmp_cli.bench.DEFAULT_POLICIES == ",".join(bench.DEFAULT_POLICIES)
     assert kmp_cli.bench.LOOPS == bench_report.LOOPS

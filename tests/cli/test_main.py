@@ -14,6 +14,9 @@ import pytest
 import kmp
 import kmp_cli
 
+# The same on every backend: CI runs it on TensorFlow only.
+pytestmark = pytest.mark.anybackend
+
 
 def _run_python(code):
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")

@@ -18,6 +18,9 @@ import pytest
 
 from kmp.core import checks
 
+# The same on every backend: CI runs it on TensorFlow only.
+pytestmark = pytest.mark.anybackend
+
 D = decimal.Decimal
 F = fractions.Fraction
 FLOAT32_MAX = float(np.finfo(np.float32).max)

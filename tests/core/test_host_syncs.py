@@ -23,6 +23,9 @@ import pytest
 import kmp
 from tests.conftest import BACKEND
 
+# With -n: one worker runs this module: the step counter is installed once.
+pytestmark = pytest.mark.xdist_group("host_syncs")
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "benchmarks" / "step_counting"
 

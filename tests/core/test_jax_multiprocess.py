@@ -20,7 +20,8 @@ from tests.support import backends
 
 # JAX only: skipped, before anything imports it, elsewhere.
 backends.require("jax")
-pytestmark = pytest.mark.jax
+# With -n: two processes of its own: never beside another such test.
+pytestmark = [pytest.mark.jax, pytest.mark.xdist_group("multiprocess")]
 
 import jax  # noqa: E402
 

@@ -22,6 +22,9 @@ from tests.support import training
 from tests.support.backends import MODES
 from tests.support.backends import STATEFUL_MODES
 
+# Reaches into Keras or TensorFlow: CI runs it on the oldest pair too.
+pytestmark = pytest.mark.oldest_pair
+
 NAN = float("nan")
 
 

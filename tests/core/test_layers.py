@@ -11,6 +11,9 @@ import pytest
 import kmp
 from tests.support import backends
 
+# Reaches into Keras or TensorFlow: CI runs it on the oldest pair too.
+pytestmark = pytest.mark.oldest_pair
+
 MIXED_POLICIES = {
     "mixed_float16": "float16",
     "mixed_bfloat16": "bfloat16",

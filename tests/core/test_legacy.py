@@ -18,6 +18,9 @@ from kmp import mixed_precision
 from kmp.core.legacy import LegacyAPIWarning
 from tests.support import backends
 
+# Reaches into Keras or TensorFlow: CI runs it on the oldest pair too.
+pytestmark = pytest.mark.oldest_pair
+
 experimental = mixed_precision.experimental
 
 

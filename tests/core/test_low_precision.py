@@ -29,6 +29,9 @@ from tests.support.low_precision import numpy_of
 from tests.support.low_precision import state
 from tests.support.low_precision import stepper
 
+# Reaches into Keras or TensorFlow: CI runs it on the oldest pair too.
+pytestmark = pytest.mark.oldest_pair
+
 BF16 = ml_dtypes.bfloat16
 _RNG = np.random.default_rng(0)
 ops = keras.ops

@@ -23,6 +23,9 @@ from tests.support.low_precision import logits_loss
 from tests.support.low_precision import numpy_of
 from tests.support.low_precision import state
 
+# Reaches into Keras or TensorFlow: CI runs it on the oldest pair too.
+pytestmark = pytest.mark.oldest_pair
+
 
 def test_config_round_trip():
     if backends.TENSORFLOW:

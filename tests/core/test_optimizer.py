@@ -25,6 +25,9 @@ from tests.support.training import INF
 from tests.support.training import OPTIMIZERS
 from tests.support.training import X
 
+# Reaches into Keras or TensorFlow: CI runs it on the oldest pair too.
+pytestmark = pytest.mark.oldest_pair
+
 # --- Properties ---------------------------------------------------------------
 
 

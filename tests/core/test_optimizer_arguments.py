@@ -32,6 +32,9 @@ from tests.support.training import INF
 from tests.support.training import NAN
 from tests.support.training import assert_unchanged_by
 
+# The same on every backend: CI runs it on TensorFlow only.
+pytestmark = pytest.mark.anybackend
+
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _INT32_MAX = 2**31 - 1
 

@@ -15,6 +15,9 @@ import pytest
 import kmp
 from kmp.core import backend
 
+# Reaches into Keras or TensorFlow: CI runs it on the oldest pair too.
+pytestmark = pytest.mark.oldest_pair
+
 # Keras's tests that kmp fails on purpose, and why.
 CONTRACT_DIFFERENCES = {
     "test_apply_with_no_vars": (

@@ -20,6 +20,9 @@ import kmp
 from tests.support import backends
 from tests.support import reliability as rel
 
+# Reaches into Keras or TensorFlow: CI runs it on the oldest pair too.
+pytestmark = pytest.mark.oldest_pair
+
 EPOCHS = 4
 _reference_states = {}
 

@@ -38,6 +38,9 @@ from tests.support.training import INF
 from tests.support.training import X_FINITE
 from tests.support.training import X_INF
 
+# Reaches into Keras or TensorFlow: CI runs it on the oldest pair too.
+pytestmark = pytest.mark.oldest_pair
+
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 # Each accepted example trains, saves and loads a model (slowest on JAX,
 # whose eager steps run op by op): a few dozen, or KMP_FUZZ_EXAMPLES.

@@ -26,6 +26,9 @@ from tests.support.training import NAN
 from tests.support.training import X
 from tests.support.training import Y
 
+# Reaches into Keras or TensorFlow: CI runs it on the oldest pair too.
+pytestmark = pytest.mark.oldest_pair
+
 
 def test_skipped_steps_counts_non_finite_steps():
     optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))

@@ -22,6 +22,9 @@ from tests.support.fuzzing import FUZZ
 from tests.support.fuzzing import call_expecting_clean_error
 from tests.support.fuzzing import junk
 
+# Reaches into Keras or TensorFlow: CI runs it on the oldest pair too.
+pytestmark = pytest.mark.oldest_pair
+
 # name -> (compute dtype, variable dtype)
 POLICY_DTYPES = {
     "float16": ("float16", "float16"),

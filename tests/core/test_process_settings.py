@@ -12,6 +12,9 @@ import pytest
 import kmp
 from kmp.core import process_settings
 
+# The same on every backend: CI runs it on TensorFlow only.
+pytestmark = pytest.mark.anybackend
+
 
 def _optimizer(**kwargs):
     return kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), **kwargs)

@@ -28,6 +28,9 @@ from tests.support.training import INF
 from tests.support.training import MODES
 from tests.support.training import NAN
 
+# Reaches into Keras or TensorFlow: CI runs it on the oldest pair too.
+pytestmark = pytest.mark.oldest_pair
+
 # --- get_scaled_loss ----------------------------------------------------------
 
 

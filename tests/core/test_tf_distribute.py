@@ -13,7 +13,8 @@ from tests.support import backends
 
 # TensorFlow only: skipped, before anything imports it, elsewhere.
 backends.require("tensorflow")
-pytestmark = pytest.mark.tensorflow
+# Reaches into Keras or TensorFlow: CI runs it on the oldest pair too.
+pytestmark = [pytest.mark.tensorflow, pytest.mark.oldest_pair]
 
 import json  # noqa: E402
 import os  # noqa: E402
@@ -617,6 +618,8 @@ def worker_processes():
         process.wait(timeout=10)
 
 
+# With -n: two worker processes of its own, never beside another such test.
+@pytest.mark.xdist_group("multiprocess")
 def test_multi_worker_fault_on_worker_1_skips_on_both(
     tmp_path, worker_processes
 ):

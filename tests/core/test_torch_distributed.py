@@ -26,7 +26,8 @@ from tests.support import backends
 
 # torch only: skipped, before anything imports it, elsewhere.
 backends.require("torch")
-pytestmark = pytest.mark.torch
+# With -n: two processes of its own: never beside another such test.
+pytestmark = [pytest.mark.torch, pytest.mark.xdist_group("multiprocess")]
 
 import torch  # noqa: E402
 

@@ -13,6 +13,9 @@ import pytest
 
 from tests.support import scripts
 
+# With -n: the scripts a module starts run once, on one worker.
+pytestmark = pytest.mark.xdist_group("examples")
+
 FOLDER = "examples"
 SMALL = "KMP_EXAMPLE_SMALL"
 

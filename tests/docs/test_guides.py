@@ -13,6 +13,9 @@ import pytest
 
 from tests.support import scripts
 
+# With -n: the scripts a module starts run once, on one worker.
+pytestmark = pytest.mark.xdist_group("guides")
+
 FOLDER = "guides"
 SMALL = "KMP_GUIDE_SMALL"
 MIXED_PRECISION = pytest.mark.parametrize("script", ["mixed_precision.py"])

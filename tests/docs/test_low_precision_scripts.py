@@ -21,6 +21,9 @@ import pytest
 
 from tests.support import backends
 
+# With -n: the scripts a module starts run once, on one worker.
+pytestmark = pytest.mark.xdist_group("low_precision_scripts")
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GUIDE = ["guides/bfloat16_weights.py"]
 BENCHMARK = [

@@ -18,6 +18,7 @@ TEXT = README.read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", TEXT, re.DOTALL)
 # The README is the site's first screen, not its whole (issue 23).
 MAX_CHARACTERS = 6000
+TEST_COMMAND = "python -m pytest -n auto"
 
 
 def _run(code: str) -> str:
@@ -45,7 +46,7 @@ def test_fit_example_trains_in_mixed_float16_with_float32_output():
     [
         'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".'
         '[cpu,test]" && kmp bench',
-        "python -m pytest",
+        TEST_COMMAND,
         'pip install -e ".[cpu,docs]" && python -m sphinx -W --keep-going -b '
         "html docs docs/_build/html",
     ],
@@ -63,3 +64,12 @@ def test_relative_links_lead_to_files_in_the_repository():
     assert len(targets) >= 8
     missing = [t for t in targets if "://" not in t and not (ROOT / t).exists()]
     assert missing == []
+
+
+def test_ci_runs_the_readme_test_command():
+    """.ci/run's pytest command is the README's, plus the slowest 25."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    command = re.search(r"^PYTEST=\((.*)\)$", ci, re.MULTILINE)
+    assert command, "no PYTEST=(...) line in .ci/run"
+    assert command.group(1) == f"{TEST_COMMAND} --durations=25"
+    assert '\n"${PYTEST[@]}"\n' in ci  # stage 1: the whole suite, as it is

@@ -21,6 +21,9 @@ from tests.support.training import X_INF
 from tests.support.training import X
 from tests.support.training import Y
 
+# Reaches into Keras or TensorFlow: CI runs it on the oldest pair too.
+pytestmark = pytest.mark.oldest_pair
+
 
 def test_importing_kmp_installs_it():
     assert "compile" in kmp.patches.installed()

@@ -10,6 +10,9 @@ from keras.src.backend.common import global_state as keras_global_state
 import kmp
 from tests.support import backends
 
+# Reaches into Keras or TensorFlow: CI runs it on the oldest pair too.
+pytestmark = pytest.mark.oldest_pair
+
 
 def _run_in_thread(function):
     """Runs `function` in a new thread and returns its result (or raises)."""

@@ -12,7 +12,8 @@ from tests.support import backends
 
 # TensorFlow only: skipped, before anything imports it, elsewhere.
 backends.require("tensorflow")
-pytestmark = pytest.mark.tensorflow
+# Reaches into Keras or TensorFlow: CI runs it on the oldest pair too.
+pytestmark = [pytest.mark.tensorflow, pytest.mark.oldest_pair]
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

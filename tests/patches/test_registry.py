@@ -16,6 +16,9 @@ from kmp import patches
 from kmp.core import backend
 from kmp.patches import registry
 
+# Reaches into Keras or TensorFlow: CI runs it on the oldest pair too.
+pytestmark = pytest.mark.oldest_pair
+
 ALL = ("global_policy", "compile", "dense", "recurrent", "mean")
 DEFAULTS = ("global_policy", "compile", "dense", "recurrent", "mean")
 TENSORFLOW_ONLY = ("dense", "recurrent", "mean")

@@ -10,6 +10,9 @@ import sys
 import keras
 import pytest
 
+# With -n: one worker runs this module: its shared fixture is built once.
+pytestmark = pytest.mark.xdist_group("kmp_guide")
+
 GUIDE = pathlib.Path(__file__).resolve().parents[2] / "guides" / "tools.py"
 
 

@@ -1,7 +1,12 @@
 """Tests for kmp.tools.tables: aligned text and Markdown tables."""
 
+import pytest
+
 from kmp.tools.tables import markdown_table
 from kmp.tools.tables import text_table
+
+# The same on every backend: CI runs it on TensorFlow only.
+pytestmark = pytest.mark.anybackend
 
 
 def test_text_table_aligns_names_left_and_numbers_right():

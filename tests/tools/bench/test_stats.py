@@ -6,6 +6,9 @@ import pytest
 
 from kmp.tools.bench import stats as bench_stats
 
+# The same on every backend: CI runs it on TensorFlow only.
+pytestmark = pytest.mark.anybackend
+
 
 @pytest.mark.parametrize(
     "steps, rounds, allowed",
