@@ -14,6 +14,9 @@ from kmp.tools.bench import run as bench
 from kmp.tools.bench import stats as bench_stats
 from tests.support import backends
 
+# With -n: one worker runs this module, so its shared run is made once.
+pytestmark = pytest.mark.xdist_group("bench_run")
+
 TINY = {"batch_size": 8, "units": 4, "verbose": False}
 
 
@@ -33,22 +36,33 @@ def _tables(text):
     return tables
 
 
-def test_run_benchmark_without_float32():
-    results = bench.run_benchmark(
+@pytest.fixture(scope="module")
+def mixed_float16_run():
+    """One run serves the tests of the rows a configuration adds: kmp's,
+    Keras's own loss scaling (native), and kmp without loss scaling
+    (overhead), with memory measured; float32 is left out."""
+    return bench.run_benchmark(
         ["mixed_float16"],
         ["custom"],
         steps=100,
         warmup_steps=1,
+        overhead=True,
         torch_amp=False,
+        memory=True,
         **TINY,
     )
+
+
+def test_run_benchmark_without_float32(mixed_float16_run):
+    results = mixed_float16_run
     assert [(r["policy"], r["implementation"]) for r in results] == [
         ("mixed_float16", "kmp"),
         ("mixed_float16", "native"),
+        ("mixed_float16", "unscaled"),
     ]
     assert results[0]["speedup_vs_float32"] is None
     assert results[0]["backend"] == keras.backend.backend()
-    (_, kmp_rows), _ = _tables(bench_report.format_table(results))
+    _, kmp_rows = _tables(bench_report.format_table(results))[0]
     assert kmp_rows[0]["speed-up vs float32"] == "-"
     assert "float32 was not benchmarked" in bench_report.summarize(results)
 
@@ -134,46 +148,26 @@ def test_transformer_in_float16_on_jax_cpu_is_refused_up_front():
         )
 
 
-def test_overhead_adds_rows_without_loss_scaling():
-    results = bench.run_benchmark(
-        ["mixed_float16"],
-        ["custom"],
-        steps=100,
-        warmup_steps=1,
-        native=False,
-        overhead=True,
-        torch_amp=False,
-        **TINY,
-    )
-    kmp_row, unscaled = results
+def test_overhead_adds_rows_without_loss_scaling(mixed_float16_run):
+    kmp_row, _, unscaled = mixed_float16_run
     assert unscaled["implementation"] == "unscaled"
     assert not unscaled["loss_scaling"] and unscaled["loss_scales"] is None
     assert kmp_row["loss_scaling_overhead"] == pytest.approx(
         kmp_row["median_ms"] / unscaled["median_ms"] - 1
     )
-    header, _ = _tables(bench_report.format_table(results))[0]
+    header, _ = _tables(bench_report.format_table(mixed_float16_run))[0]
     assert bench_report.OVERHEAD_COLUMN in header
     assert "loss scaling adds to the mixed_float16 step: kmp" in (
-        bench_report.summarize(results)
+        bench_report.summarize(mixed_float16_run)
     )
 
 
-def test_memory_is_measured_where_the_backend_can():
-    results = bench.run_benchmark(
-        ["float32"],
-        ["custom"],
-        steps=100,
-        warmup_steps=1,
-        native=False,
-        torch_amp=False,
-        memory=True,
-        **TINY,
-    )
-    (result,) = results
-    if result["device"] == "cpu" and not backends.JAX:
-        assert result["peak_memory_mb"] is None
-    else:  # XLA's buffers of the compiled step, or a GPU's allocator.
-        assert result["peak_memory_mb"] > 0
+def test_memory_is_measured_where_the_backend_can(mixed_float16_run):
+    for result in mixed_float16_run:
+        if result["device"] == "cpu" and not backends.JAX:
+            assert result["peak_memory_mb"] is None
+        else:  # XLA's buffers of the compiled step, or a GPU's allocator.
+            assert result["peak_memory_mb"] > 0
 
 
 # --- Planning -----------------------------------------------------------------
