@@ -58,7 +58,8 @@ SCALES = {
 # these, which may differ by MOMENTUM_ULPS float32 ulps in any weight or
 # optimizer variable, after each of STEPS steps. Measured (JAX 0.10.2, an
 # AVX-512 CPU), kmp's update in a lax.cond branch: 1 for SGD with momentum
-# (Nesterov or not) after 3 steps, 0 for every other optimizer. (With a
+# (Nesterov or not) after 3 steps, in a momentum slot, where Keras's own
+# LossScaleOptimizer differs by the same ulp; 0 for every other. (With a
 # jnp.where select of new against old values instead, as kmp did before:
 # up to 13 ulps, Nadam, and 156 for Lion's slots after 4 steps.) The bound
 # leaves room for other CPUs' vector widths and XLA's choices.
