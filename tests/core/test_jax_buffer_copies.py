@@ -8,7 +8,9 @@ Where the old value is still needed after the new one is computed (a
 buffer instead: a copy per weight and per slot, every step. Here the
 optimized HLO of each step is compiled (nothing runs) for plain Adam,
 Keras's `LossScaleOptimizer` and kmp's, on a stack of small Dense layers
-under mixed_float16, and its buffer copies are counted
+under mixed_float16 (and, for `fit`, with BatchNormalization layers,
+whose statistics kmp puts back on a skipped step), and its buffer copies
+are counted
 (`benchmarks/step_counting/compiled.py`'s `hlo_copies`: `copy`
 instructions outside fusions, in the step and in both branches of its
 conditionals; `copy-start` counts as one, `copy-done` does not): kmp's
@@ -109,3 +111,45 @@ def test_kmp_step_copies_no_more_buffers_than_keras_loss_scaling(loop):
     )
     # And far from one per variable.
     assert counts["kmp"] - counts["plain"] < LAYERS, counts
+
+
+def test_fit_keeping_batch_statistics_copies_no_more_than_keras():
+    """`fit` puts back what a skipped step's forward pass wrote
+    (BatchNormalization's moving statistics, which Keras's optimizer does
+    not): selected with `jnp.where`, fused into the forward pass, that
+    costs no copy (a `lax.cond` would copy each statistic)."""
+    import jax
+
+    compiled = _step_counting().compiled
+    models = sys.modules["step_counting.models"]
+    x, y = models.data()
+    counts = {}
+    for kind in OPTIMIZERS:
+        kmp.set_global_policy("mixed_float16")
+        try:
+            keras.utils.set_random_seed(0)
+            layers = [keras.Input((models.INPUTS,))]
+            for _ in range(LAYERS // 4):
+                layers.append(keras.layers.Dense(4))
+                layers.append(keras.layers.BatchNormalization())
+            layers.append(keras.layers.Dense(models.OUTPUTS))
+            model = keras.Sequential(layers)
+            model.compile(
+                optimizer=models.make_optimizer(kind),
+                loss="mse",
+                auto_scale_loss=False,
+            )
+            model._symbolic_build(data_batch=(x, y))
+            state = model._get_jax_state(
+                trainable_variables=True,
+                non_trainable_variables=True,
+                optimizer_variables=True,
+                metrics_variables=True,
+            )
+            step = jax.jit(model.train_step, donate_argnums=0)
+            text = step.lower(state, (x, y)).compile().as_text()
+            counts[kind] = compiled.hlo_copies(text)
+        finally:
+            kmp.set_global_policy(None)
+            keras.backend.clear_session(free_memory=False)
+    assert counts["kmp"] <= counts["keras"], counts

@@ -61,7 +61,7 @@ SCALES = {
 # (Nesterov or not) after 3 steps, in a momentum slot, where Keras's own
 # LossScaleOptimizer differs by the same ulp; 0 for every other. (With a
 # jnp.where select of new against old values instead, as kmp did before:
-# up to 13 ulps, Nadam, and 156 for Lion's slots after 4 steps.) The bound
+# up to 13 ulps, Nadam; issue 31 saw 156 in Lion's slots after 4.) The bound
 # leaves room for other CPUs' vector widths and XLA's choices.
 NOT_EXACT_UNDER_JIT = ("sgd_momentum", "sgd_nesterov")
 MOMENTUM_ULPS = 4
