@@ -7,7 +7,7 @@ optimizer variables; with `jit_compile=True` (the default) too, but for
 SGD with momentum (Nesterov or not), within `MOMENTUM_ULPS` units in the
 last place: kmp compiles the inner update in a branch of a `lax.cond`, as
 the bare optimizer's step compiles it, and XLA rounds it the same but for
-SGD's momentum arithmetic (`m * momentum - g * lr`, fused otherwise). A
+SGD's momentum update (as for Keras's own `LossScaleOptimizer`). A
 skipped step leaves every weight and optimizer variable as it was, bit for
 bit, in both.
 """
