@@ -17,13 +17,24 @@ it prints, per step (a few steps after warm-up, divided): blocking host
 reads (the host waits for the device), uploads of Python or NumPy values
 and kernels dispatched, in all and those attributed to kmp's own code
 (`benchmarks/step_counting`), and the kernels of the compiled step (JAX's
-HLO; TensorFlow's graph ops, with `If`s). Then kmp's call sites, per step.
-Counts, not times: the same on any machine for the same versions.
+HLO; TensorFlow's graph ops, with `If`s); on JAX also the buffer copies of
+the compiled step (the state is donated, as `fit` and the example donate
+it: a copy is a weight or slot XLA could not update in place) and, timed
+after the counting with no counter installed, the step's time against
+plain Adam's in the same loop on the same model (`--time-steps 0` skips
+it). Then kmp's call sites, per step. Counts, not times, but for that
+ratio: the same on any machine for the same versions.
 
     python benchmarks/step_costs.py                 # TensorFlow
     KERAS_BACKEND=jax python benchmarks/step_costs.py
     KERAS_BACKEND=torch python benchmarks/step_costs.py [--sizes 4,22]
         [--loops fit] [--optimizers plain,kmp] [--steps 2] [--output F]
+        [--time-steps 50] [--time-repeats 5]
+
+Quick (JAX, the 202-variable model only, about a minute):
+
+    KERAS_BACKEND=jax python benchmarks/step_costs.py --sizes 202 \
+        --output /tmp/step_costs.json
 
 Writes benchmarks/results/step_costs/<backend>.json (`step_costs_summary.py`
 makes the performance page's table from those files).
@@ -42,6 +53,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras  # noqa: E402
 import step_counting  # noqa: E402
 from step_counting import models  # noqa: E402
+from step_counting import timing  # noqa: E402
 
 import kmp  # noqa: E402
 
@@ -63,7 +75,9 @@ def configurations(backend, sizes, loops=None, kinds=None):
                 yield loop, kind, size
 
 
-def count_one(counter, loop, kind, size, steps):
+def count_one(counter, loop, kind, size, steps, keep=None):
+    """The counts of one configuration; its step is appended to `keep`
+    (a list), if given, to be timed later."""
     kmp.set_global_policy("mixed_float16")
     try:
         step = step_counting.make_step(kind, loop, size)
@@ -72,6 +86,8 @@ def count_one(counter, loop, kind, size, steps):
     finally:
         kmp.set_global_policy(None)
         keras.backend.clear_session(free_memory=False)
+    if keep is not None:
+        keep.append(step)
     per_step = {
         k: {owner: n / steps for owner, n in counts.by_owner(k).items()}
         for k in KINDS
@@ -106,7 +122,7 @@ def compiled_summary(compiled):
         return (
             f"{compiled['kernels']} kernels (+{compiled['kernels_in_branches']}"
             f" in branches), {compiled['conditional']} cond, "
-            f"{compiled['while']} while"
+            f"{compiled['while']} while, {compiled['copies']} copies"
         )
     return (
         f"{compiled['ops']} ops, {compiled['If']} If "
@@ -134,6 +150,12 @@ def print_table(backend, records):
             + " ".join(cells)
             + "  "
             + compiled_summary(r["compiled"])
+            + (
+                f"; time {1e3 * r['seconds_per_step']:.3f} ms"
+                f" = {r['time_ratio']:.2f} x plain"
+                if "time_ratio" in r
+                else ""
+            )
             + (
                 f"  ({r['skipped_steps']} skipped!)"
                 if r["skipped_steps"]
@@ -170,18 +192,36 @@ def main(argv=None):
     )
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--output", default=None, help="the JSON file to write")
+    parser.add_argument(
+        "--time-steps",
+        type=int,
+        default=50,
+        help="JAX: steps per timed run (0: no timing)",
+    )
+    parser.add_argument(
+        "--time-repeats", type=int, default=5, help="JAX: timed runs"
+    )
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     backend = keras.backend.backend()
     counter = step_counting.counter(backend)
     records = []
+    timed = backend == "jax" and args.time_steps > 0
+    steps = [] if timed else None
     with counter:
         loops = args.loops.split(",") if args.loops else None
         kinds = args.optimizers.split(",") if args.optimizers else None
         for loop, kind, size in configurations(backend, sizes, loops, kinds):
-            record = count_one(counter, loop, kind, size, args.steps)
+            record = count_one(counter, loop, kind, size, args.steps, steps)
             records.append(record)
             print(f"  {loop} {kind} {size}: done", file=sys.stderr)
+    if timed:
+        seconds = timing.seconds_per_step(
+            steps, args.time_steps, args.time_repeats
+        )
+        for record, value in zip(records, seconds):
+            record["seconds_per_step"] = value
+        timing.add_ratios(records)
     print_table(backend, records)
     print_sites(records)
     output = args.output or RESULTS / "step_costs" / f"{backend}.json"

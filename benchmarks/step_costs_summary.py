@@ -7,7 +7,11 @@ stopped waiting for the device) and writes
 (`docs/_ext/perf_results.py`): per backend and loop, the host reads per
 step that kmp's own code makes, and what each way of loss scaling adds to
 plain Adam's step in kernels (torch: ops dispatched; JAX: kernels of the
-compiled step, those inside a conditional's branches included).
+compiled step, those inside a conditional's branches included). On JAX
+also the buffer copies of the compiled, donating step and its time
+against plain Adam's, at 202 variables, with `<backend>_where_202.json`
+(main at 2aec11f, whose step selected every weight and slot with
+`jnp.where`).
 
     python benchmarks/step_costs_summary.py
 """
@@ -37,6 +41,36 @@ def _kernels(record):
     if compiled:
         return compiled["kernels"] + compiled["kernels_in_branches"]
     return record["per_step"]["kernel"]["all"]
+
+
+JAX_SERIES = {
+    "plain": "plain Adam",
+    "keras": "Keras LossScaleOptimizer",
+    "kmp_where": "kmp, jnp.where (2aec11f)",
+    "kmp": "kmp now (lax.cond)",
+}
+
+
+def _jax_copies_and_times(size=202):
+    """The measurements of the JAX tables: buffer copies of the compiled
+    step, and its time / plain Adam's, per loop and optimizer."""
+    now, _ = _records(RESULTS / "step_costs" / "jax.json")
+    where_path = RESULTS / "step_costs" / "jax_where_202.json"
+    where = _records(where_path)[0] if where_path.exists() else {}
+    copies, times = [], []
+    for loop in ("fit", "loop"):
+        rows = [(k, now.get((loop, k, size))) for k in ("plain", "keras")]
+        rows += [("kmp_where", where.get((loop, "kmp", size)))]
+        rows += [("kmp", now.get((loop, "kmp", size)))]
+        for series, row in rows:
+            if row is None:
+                continue
+            group = f"jax, {loop}, {size} variables"
+            entry = {"group": group, "series": JAX_SERIES[series]}
+            copies.append({**entry, "value": row["compiled"]["copies"]})
+            if "time_ratio" in row:
+                times.append({**entry, "value": row["time_ratio"]})
+    return copies, times
 
 
 def main():
@@ -87,6 +121,7 @@ def main():
                             "value": count,
                         }
                     )
+    copies, times = _jax_copies_and_times()
     document = {
         "format": "kmp-benchmark-results/1",
         "title": "Step costs: host reads and kernels per step, on a CPU",
@@ -105,9 +140,15 @@ def main():
             "function; `loop` each backend's documented custom loop. kmp's "
             "persistent-skips check outside a compiled step reads one "
             "earlier step's numbers per step, a copy already on its way to "
-            "the host (not counted here: `tests/core/test_host_syncs.py`)."
+            "the host (not counted here: `tests/core/test_host_syncs.py`). "
+            "JAX's steps are compiled with their state donated, as `fit` "
+            "and the documented loop donate it: a buffer copy is a weight "
+            "or slot XLA could not update in place (`copy` instructions "
+            "outside fusions, both branches counted; "
+            "`tests/core/test_jax_buffer_copies.py`); times on a shared "
+            "2-core CPU, noisy by some 10%."
         ),
-        "date": "2026-11-27",
+        "date": "2026-11-28",
         "machine": "2-core x86-64 CPU, no GPU; " + "; ".join(machines),
         "source": "benchmarks/results/step_costs/*.json",
         "commands": {
@@ -128,6 +169,22 @@ def main():
                 "decimals": 0,
                 "better": "lower",
                 "measurements": kernels,
+            },
+            {
+                "caption": (
+                    "JAX: buffer copies in the compiled step, state donated"
+                ),
+                "unit": "",
+                "decimals": 0,
+                "better": "lower",
+                "measurements": copies,
+            },
+            {
+                "caption": "JAX: step time / plain Adam's (fastest of 5)",
+                "unit": "x",
+                "decimals": 2,
+                "better": "lower",
+                "measurements": times,
             },
         ],
         "notes": [

@@ -9,6 +9,15 @@ like), and separately its `conditional` and `while` instructions, whose
 branches and bodies are other computations, and the kernels inside them
 (the largest branch of each conditional).
 
+`hlo_copies(text)` counts its buffer copies: the `copy` instructions (and
+`copy-start`, the first half of an asynchronous copy; its `copy-done` is
+not counted again) of the ENTRY computation and of the computations its
+conditionals, while loops and calls run, both branches of a conditional
+included. A `copy` inside a fusion is not counted: it changes a layout
+within the fused kernel, which writes its output once either way.
+Where XLA cannot update a donated buffer in place it copies it, so the
+count shows whether a step keeps the in-place update.
+
 `tf_graph_ops(concrete_function)` counts the ops a `tf.function` runs:
 those of its graph and of the functions it calls, and separately the ops
 inside `If` branches and `While` bodies, which run only when taken.
@@ -113,10 +122,11 @@ def _reached_opcodes(computations, name, seen=()):
 
 
 def hlo_kernels(text: str) -> dict:
-    """`{"kernels", "kernels_in_branches", "conditional", "while",
-    "opcodes"}` of the ENTRY computation of an HLO module's text (see the
-    module docstring; `conditional` and `while` also count those inside
-    called computations and branches); `kernels_in_branches`: those of
+    """`{"kernels", "copies", "kernels_in_branches", "conditional",
+    "while", "opcodes"}` of the ENTRY computation of an HLO module's text
+    (see the module docstring; `copies` is `hlo_copies`; `conditional`
+    and `while` also count those inside called computations and
+    branches); `kernels_in_branches`: those of
     the largest branch of each conditional, of each while loop's body
     (once) and of called computations.
 
@@ -135,11 +145,30 @@ def hlo_kernels(text: str) -> dict:
     reached = _reached_opcodes(computations, entry)
     return {
         "kernels": kernels,
+        "copies": sum(reached.get(code, 0) for code in COPY_OPCODES),
         "kernels_in_branches": _kernels(computations, entry) - kernels,
         "conditional": reached.get("conditional", 0),
         "while": reached.get("while", 0),
         "opcodes": dict(opcodes.most_common()),
     }
+
+
+# The opcodes `hlo_copies` counts.
+COPY_OPCODES = ("copy", "copy-start")
+
+
+def hlo_copies(text: str) -> int:
+    """The buffer copies of an HLO module's text (see the module
+    docstring).
+
+    Raises:
+        ValueError: the text has no ENTRY computation.
+    """
+    computations, entry = _computations(text)
+    if entry is None:
+        raise ValueError("The HLO text has no ENTRY computation.")
+    reached = _reached_opcodes(computations, entry)
+    return sum(reached.get(code, 0) for code in COPY_OPCODES)
 
 
 # Graph nodes that run no kernel.

@@ -7,9 +7,13 @@
   `stateless_scale_loss`, `stateless_unscale_gradients`, `stateless_apply`
   with `scaled=False`, then `check_persistent_skips` on the new state;
   with Keras's optimizer, gradients of `scale_loss(loss)`, unscaled by its
-  `stateless_apply`; with Adam, `stateless_apply`).
+  `stateless_apply`; with Adam, `stateless_apply`), donating the state it
+  is given (`donate_argnums=0`) as the example does, so XLA may update the
+  weights and slots in place.
 
-`compiled()` counts the kernels of the compiled step (`compiled`).
+`compiled()` counts the kernels and buffer copies of the compiled step
+(`compiled`): the loop's jitted step, or `model.train_step` jitted as
+Keras's `make_train_function` jits it (donating the state).
 """
 
 import jax
@@ -43,11 +47,16 @@ class Step:
             self.optimizer = models.make_optimizer(kind)
             self.optimizer.build(self.model.trainable_variables)
             self.loss_fn = jax_loss
-            self._jitted = jax.jit(self._loop_step())
-            self.state = (
-                [v.value for v in self.model.trainable_variables],
-                [v.value for v in self.model.non_trainable_variables],
-                [v.value for v in self.optimizer.variables],
+            self._jitted = jax.jit(self._loop_step(), donate_argnums=0)
+            # Copies: the first step donates them, and the variables keep
+            # theirs (as the example).
+            self.state = jax.tree.map(
+                jnp.copy,
+                (
+                    [v.value for v in self.model.trainable_variables],
+                    [v.value for v in self.model.non_trainable_variables],
+                    [v.value for v in self.optimizer.variables],
+                ),
             )
             self.run = self._loop
 
@@ -101,13 +110,17 @@ class Step:
 
     def compiled(self):
         """`compiled.hlo_kernels` of the step, as XLA compiles it here."""
+        return compiled.hlo_kernels(self.hlo_text())
+
+    def hlo_text(self):
+        """The optimized HLO of the step (its state donated, as `fit`'s
+        and the loop's)."""
         if hasattr(self, "_jitted"):
             lowered = self._jitted.lower(self.state, self.x, self.y)
         else:
-            lowered = jax.jit(self.model.train_step).lower(
-                self.state, (self.x, self.y)
-            )
-        return compiled.hlo_kernels(lowered.compile().as_text())
+            jitted = jax.jit(self.model.train_step, donate_argnums=0)
+            lowered = jitted.lower(self.state, (self.x, self.y))
+        return lowered.compile().as_text()
 
 
 def jax_loss(y, y_pred):

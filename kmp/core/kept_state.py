@@ -233,9 +233,11 @@ def select(optimizer, optimizer_variables, values_before, values_after):
     ]
     if not written:
         return values_after
-    # A select, not a cond: on a GPU a cond waits for the host. (The
-    # program differs from Keras's alone, and XLA may round what the
-    # forward pass writes otherwise, by an ulp or so: docs/guarantees.md.)
+    # A select, not a cond: XLA fuses it into the forward pass that
+    # computes the new values and copies nothing, where a cond would copy
+    # each value (twice, measured: benchmarks/README.md). The program
+    # differs from Keras's alone, and XLA may round what the forward pass
+    # writes otherwise, by an ulp or so: docs/guarantees.md.
     chosen = [
         ops.where(skipped, flat_before[i], flat_after[i]) for i in written
     ]

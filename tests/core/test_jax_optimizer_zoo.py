@@ -3,12 +3,13 @@ every Keras optimizer.
 
 What `docs/guarantees.md` states for a JAX `fit`: with `jit_compile=False`
 the wrapped step equals the bare optimizer's bit for bit, weights and
-optimizer variables; with `jit_compile=True` (the default) XLA compiles the
-two programs and may fuse their arithmetic differently (a multiply and an
-add into one rounding, or not), as it does for Keras's own
-`LossScaleOptimizer`, so the results agree within `MAX_ULPS` units in the
-last place, on any CPU. A skipped step leaves every weight and optimizer
-variable as it was, bit for bit, in both.
+optimizer variables; with `jit_compile=True` (the default) too, but for
+SGD with momentum (Nesterov or not), within `MOMENTUM_ULPS` units in the
+last place: kmp compiles the inner update in a branch of a `lax.cond`, as
+the bare optimizer's step compiles it, and XLA rounds it the same but for
+SGD's momentum update (as for Keras's own `LossScaleOptimizer`). A
+skipped step leaves every weight and optimizer variable as it was, bit for
+bit, in both.
 """
 
 import keras
@@ -53,14 +54,17 @@ SCALES = {
     "fixed_1": {"dynamic": False, "initial_scale": 1.0},
     "dynamic": {},
 }
-# Under jit the wrapped and bare steps may differ by this many float32
-# ulps, in any weight or optimizer variable, after each of STEPS steps.
-# Measured (JAX 0.10.2, an AVX2 CPU), kmp's step selecting with jnp.where
-# (no lax.cond, which waits for the host on a GPU): 13 for Nadam, 12 for
-# RMSprop with momentum, 11 centered, 10 for Lion, at most 4 for the others
-# (with lax.cond: 1 for SGD with Nesterov momentum, 0 for the rest). The
-# bound leaves room for other CPUs' vector widths and XLA's choices.
-MAX_ULPS = 64
+# Under jit the wrapped and bare steps are equal bit for bit, but for
+# these, which may differ by MOMENTUM_ULPS float32 ulps in any weight or
+# optimizer variable, after each of STEPS steps. Measured (JAX 0.10.2, an
+# AVX-512 CPU), kmp's update in a lax.cond branch: 1 for SGD with momentum
+# (Nesterov or not) after 3 steps, in a momentum slot, where Keras's own
+# LossScaleOptimizer differs by the same ulp; 0 for every other. (With a
+# jnp.where select of new against old values instead, as kmp did before:
+# up to 13 ulps, Nadam; issue 31 saw 156 in Lion's slots after 4.) The bound
+# leaves room for other CPUs' vector widths and XLA's choices.
+NOT_EXACT_UNDER_JIT = ("sgd_momentum", "sgd_nesterov")
+MOMENTUM_ULPS = 4
 STEPS = 2
 BATCH = training.BATCH_SIZE
 
@@ -123,9 +127,10 @@ def test_without_jit_the_wrapped_step_is_the_bare_one_bit_for_bit(name, scale):
 
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("name", ZOO)
-def test_under_jit_the_wrapped_step_is_the_bare_one_within_ulps(name, scale):
+def test_under_jit_the_wrapped_step_is_the_bare_one_bit_for_bit(name, scale):
     worst = largest_difference(name, scale, jit_compile=True)
-    assert worst <= MAX_ULPS, f"{name}: {worst} ulps"
+    bound = MOMENTUM_ULPS if name in NOT_EXACT_UNDER_JIT else 0
+    assert worst <= bound, f"{name}: {worst} ulps"
 
 
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["no_jit", "jit"])

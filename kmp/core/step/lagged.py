@@ -26,7 +26,14 @@ import numpy as np
 
 from kmp.core import backend
 
-# Steps between a step and the check that reads its numbers.
+# Steps between a step and the check that reads its numbers. With 1, the
+# check after step k waits for step k - 1 while step k is queued: the
+# device has a step's work ahead of the host (data loading may take up to
+# a step's time without the device idling). 2 would leave two, for more
+# jitter, but every report would come a step later: `fit` on JAX and
+# TensorFlow's XLA would stop on persistent skips a batch later than now
+# (the monitor's and the examples' documented batch), and 11 tests state
+# the one-step lag (tried 2026-11-28). Kept at 1.
 LAG = 1
 
 

@@ -2,12 +2,18 @@
 
 Keras's JAX trainer (and a JAX loop over `stateless_call`) passes the
 values of the optimizer's and the model's variables and gets new values
-back. Here the inner optimizer's `stateless_apply` always runs, and each
-value it returns is selected against the value it was given
-(`jnp.where` on the finite check, as Flax's `DynamicScale` and jmp's
-`select_tree`): a skipped step leaves weights, slots and `iterations`
-exactly as they were, and no conditional makes the device wait for the
-host (XLA runs a `lax.cond` on a GPU by copying its predicate to the host).
+back. Here, in a trace (`jax.jit`: `fit`'s compiled step, a jitted loop),
+the inner optimizer's `stateless_apply` runs in one branch of a
+`lax.cond` on the finite check, and the other branch returns the values
+it was given (as Keras's own `LossScaleOptimizer`): a skipped step leaves
+weights, slots and `iterations` exactly as they were, XLA still updates
+donated buffers in place, and the update is compiled as the bare
+optimizer's. (A `jnp.where` of new against old values, as Flax's
+`DynamicScale`, keeps both alive: XLA then copies every weight and slot
+each step, 1.5-3x the step time of Adam alone on 202 small variables on a
+CPU; `benchmarks/README.md`.) Run eagerly (no trace), the update runs op
+by op as the inner optimizer's own and each value is then selected on the
+device, without reading the finite check on the host.
 Then the loss-scale state is updated by the same code as the stateful step,
 inside a Keras `StatelessScope`. The persistent-skips check reads the
 state a step or more later, without waiting for the device
@@ -20,6 +26,7 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 
 from kmp.core import backend
+from kmp.core import jax_tracing
 from kmp.core.step import common as steps
 
 
@@ -94,7 +101,12 @@ def apply(
         # of the device in a step, as kmp.core.step.torch).
         chosen = applied if bool(ops.convert_to_numpy(apply_ok)) else skipped
         new_trainable, new_inner = chosen()
+    elif jax_tracing.any_tracer([apply_ok]):
+        # Traced (jax.jit, fit): the inner update in a branch of its own.
+        new_trainable, new_inner = ops.cond(apply_ok, applied, skipped)
     else:
+        # Run eagerly, op by op, as the inner optimizer's own; then chosen
+        # on the device, without a read (a cond would compile the update).
         new_trainable, new_inner = select(apply_ok, applied(), skipped())
 
     with StatelessScope(state_mapping=mapping) as scope:
