@@ -529,7 +529,10 @@ def test_a_digits_classifier_learns_in_bfloat16_where_keras_update_stalls():
                 ]
             )
         model.compile(optimizer=optimizer, loss=logits_loss())
-        model.fit(x[:1400], y[:1400], batch_size=64, epochs=3, verbose=0)
+        # 20 steps on 640 images: the least that still separates the two
+        # (measured 0.78-0.80 on every backend, where the stall gives
+        # 0.03-0.08); 66 steps on 1400 gave 0.87.
+        model.fit(x[:640], y[:640], batch_size=64, epochs=2, verbose=0)
         predicted = np.argmax(model.predict(x[1400:], verbose=0), axis=-1)
         return np.mean(predicted == y[1400:])
 
@@ -537,8 +540,8 @@ def test_a_digits_classifier_learns_in_bfloat16_where_keras_update_stalls():
     # size is 0 and the weights never move.
     assert accuracy(keras.optimizers.Adam(1e-2)) < 0.3
     adam = keras.optimizers.Adam
-    assert accuracy(LowPrecisionOptimizer(adam(1e-2))) > 0.85
-    assert accuracy(LowPrecisionOptimizer(adam(1e-2), "stochastic")) > 0.85
+    assert accuracy(LowPrecisionOptimizer(adam(1e-2))) > 0.7
+    assert accuracy(LowPrecisionOptimizer(adam(1e-2), "stochastic")) > 0.7
 
 
 # --- Clipping -----------------------------------------------------------------
