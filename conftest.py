@@ -3,7 +3,8 @@
 `setup.cfg` runs the docstring examples of `kmp/` and `kmp_cli/` too. A
 module written for one backend (named after it, `tf_*.py`, `jax_*.py`,
 `torch_*.py`, in a package `tensorflow.py`, `jax.py`, `torch.py`,
-and those listed below) imports only there, so on the others
+every module of `kmp/core/tensorflow/`, `jax/` and `torch/`, and those
+listed below) imports only there, so on the others
 it is not collected. Everything else in `kmp/` must import, and its
 examples pass, on every backend. (The test set-up proper is
 `tests/conftest.py`.)
@@ -20,14 +21,14 @@ import keras  # noqa: E402
 TENSORFLOW_ONLY_MODULES = (
     "kmp/*/tf_*.py",
     "kmp/*/*/tensorflow.py",
-    "kmp/core/fused.py",
+    "kmp/core/tensorflow/*.py",
     "kmp/patches/dense.py",
     "kmp/patches/mean.py",
 )
 BACKEND_MODULES = {
     "tensorflow": TENSORFLOW_ONLY_MODULES,
-    "jax": ("kmp/*/jax_*.py", "kmp/*/*/jax.py"),
-    "torch": ("kmp/*/torch_*.py", "kmp/*/*/torch.py"),
+    "jax": ("kmp/*/jax_*.py", "kmp/*/*/jax.py", "kmp/core/jax/*.py"),
+    "torch": ("kmp/*/torch_*.py", "kmp/*/*/torch.py", "kmp/core/torch/*.py"),
 }
 
 _HERE = os.path.dirname(os.path.abspath(__file__))

@@ -36,8 +36,8 @@ from keras.src.optimizers import base_optimizer  # noqa: E402
 
 import kmp  # noqa: E402
 from kmp.core import scaling  # noqa: E402
-from kmp.core import tf_apply  # noqa: E402
 from kmp.core import tf_steps  # noqa: E402
+from kmp.core.tensorflow import apply as tf_apply  # noqa: E402
 from kmp.tools.bench import timing  # noqa: E402
 
 VARIANTS = {

@@ -20,7 +20,7 @@ from kmp.tools.convert import convert
 from kmp.tools.summary import summary
 
 if _backend.is_tensorflow():
-    from kmp.core.fused import FusedAdam
+    from kmp.core.tensorflow.fused import FusedAdam
 else:
     FusedAdam = _backend.tensorflow_only_class(
         "kmp.FusedAdam",

@@ -44,7 +44,7 @@ from kmp.core import jax_tracing
 from kmp.core.step import stateless
 
 if backend.is_tensorflow():
-    from kmp.core import tf_apply
+    from kmp.core.tensorflow import apply as tf_apply
 
 
 _EXEMPT_ATTRIBUTE = "_kmp_not_kept_on_skip"

@@ -31,15 +31,17 @@ results are the inner optimizer's, bit for bit.
 The mechanism, the same on every backend: the inner optimizer's own
 `_backend_update_step` runs (its per-step work included), but each
 variable's `update_step` gets a float32 stand-in for it
-(`kmp.core.rounding.Float32View`; TensorFlow's is in `tf_rounding`): it
-reads as `w + c` in float32, records what is assigned, and leads the inner
-optimizer to the variable's slots; the stand-in's value is then rounded
-into the variable. Nothing float32 the size
-of a weight outlives the step. What each backend adds is in a module named
-after it: on TensorFlow (`kmp.core.tf_low_precision`) `tf.distribute`'s
-per-replica updates, and XLA for variables of 2**16 elements or more, so no
-float32 temporaries are made at all; on torch (`torch_low_precision`)
-Keras's fused (`torch._foreach`) update where no variable needs rounding.
+(`kmp.core.rounding.Float32View`; TensorFlow's is in
+`kmp.core.tensorflow.rounding`): it reads as `w + c` in float32, records
+what is assigned, and leads the inner optimizer to the variable's slots;
+the stand-in's value is then rounded into the variable. Nothing float32
+the size of a weight outlives the step. What each backend adds is in its
+package: on TensorFlow (`kmp.core.tensorflow.low_precision`)
+`tf.distribute`'s per-replica updates, and XLA for variables of 2**16
+elements or more, so no float32 temporaries are made at all; on torch
+(`kmp.core.torch.low_precision`) Keras's fused (`torch._foreach`) update
+where no variable needs rounding; on JAX (`kmp.core.jax.low_precision`)
+nothing more.
 On JAX the whole update is pure, so `stateless_apply` (which `fit` and a
 jitted loop call) works as for any Keras optimizer.
 
@@ -49,7 +51,6 @@ ulps over ten thousand identical ones; stochastic rounding is unbiased, but
 each weight's error is a random walk (about sqrt(steps * update / ulp) ulps).
 """
 
-import importlib
 import numbers
 import random
 
@@ -61,6 +62,18 @@ from kmp.core import borrow
 from kmp.core import checks
 from kmp.core import optimizer_arguments
 from kmp.core import rounding
+
+# This backend's step (`apply_update`, `update_variable`, `view`) and random
+# stream: the one place `LowPrecisionOptimizer` picks a backend.
+if backend.is_tensorflow():
+    from kmp.core.tensorflow import low_precision as _steps
+    from kmp.core.tensorflow import rounding as _stream_module
+elif backend.is_jax():
+    from kmp.core.jax import low_precision as _steps
+    from kmp.core.jax import rounding as _stream_module
+else:
+    from kmp.core.torch import low_precision as _steps
+    from kmp.core.torch import rounding as _stream_module
 
 ROUNDINGS = ("kahan", "stochastic", "nearest")
 SLOT_DTYPES = ("bfloat16", "float16", "float32")
@@ -204,7 +217,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         self._inner_optimizer = inner_optimizer
         self._rounding = rounding
         self._slot_dtype = slot_dtype
-        self._streams = _streams()
+        self._streams = streams()
         seed = random.getrandbits(62) if seed is None else int(seed)
         with keras.name_scope(self.name, caller=self):
             self._seed = keras.Variable(
@@ -328,7 +341,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             )
             if grads:
                 grads = clip_gradients(inner, grads)
-                _backend_steps().apply_update(self, grads, variables)
+                _steps.apply_update(self, grads, variables)
             inner._iterations.assign_add(1)
 
     def _all_reduce_sum_gradients(self, grads_and_vars):
@@ -336,7 +349,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         # for gradients of several dtypes (a float32 output layer beside
         # bfloat16 ones). A wrapper that summed them already lends `list`
         # in its place (kmp.core.borrow). Reached on TensorFlow only.
-        return _backend_steps().sum_over_replicas(grads_and_vars)
+        return _steps.sum_over_replicas(grads_and_vars)
 
     def _update_step(self, gradient, variable, learning_rate):
         """The inner optimizer's `update_step`, in float32, then rounded.
@@ -346,16 +359,14 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         per-step work and `tf.distribute`'s per-device updates included).
         """
         index = self._get_variable_index(variable)
-        _backend_steps().update_variable(
-            self, gradient, learning_rate, variable, index
-        )
+        _steps.update_variable(self, gradient, learning_rate, variable, index)
 
     def _update_one(self, gradient, learning_rate, variable, index):
         inner = self._inner_optimizer
         model_variable = self._trainable_variables[index]
         low = rounding.is_low(variable.dtype)
         compensation = self._compensations[index]
-        view = _backend_steps().view(
+        view = _steps.view(
             self,
             variable,
             model_variable,
@@ -378,7 +389,9 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             )
             self.assign(
                 variable,
-                rounding.stochastic_round(value, variable.dtype, seed),
+                rounding.stochastic_round(
+                    value, variable.dtype, seed, self._streams
+                ),
             )
         else:
             rounded = ops.cast(value, variable.dtype)
@@ -482,49 +495,7 @@ def clip_gradients(inner, grads):
     return inner._clip_gradients(grads)
 
 
-def routed_update(optimizer, grads, variables, backend_update_step):
-    """Runs `backend_update_step` (the inner optimizer's, or a form of it)
-    with its `update_step` lent by `optimizer` (JAX, torch)."""
-    inner = optimizer.inner_optimizer
-    with borrow.lent(
-        inner,
-        update_step=optimizer._update_step,
-        _var_key=optimizer._inner_var_key,
-    ):
-        backend_update_step(grads, variables, inner.learning_rate)
-
-
-# How a step is applied on JAX, where nothing more is needed; TensorFlow's
-# and torch's are in `kmp.core.tf_low_precision` and `torch_low_precision`.
-
-
-def apply_update(optimizer, grads, variables):
-    """Applies the (clipped) gradients: the inner optimizer's own step."""
-    inner = optimizer.inner_optimizer
-    routed_update(optimizer, grads, variables, inner._backend_update_step)
-
-
-def update_variable(optimizer, gradient, learning_rate, variable, index):
-    """One variable's update (`LowPrecisionOptimizer._update_step`)."""
-    optimizer._update_one(gradient, learning_rate, variable, index)
-
-
-def view(optimizer, variable, model_variable, compensation, dtype):
-    """The float32 stand-in for `variable` in the inner `update_step`."""
-    return rounding.Float32View(model_variable, compensation, dtype)
-
-
-_STEP_MODULES = {
-    "tensorflow": "kmp.core.tf_low_precision",
-    "jax": __name__,
-    "torch": "kmp.core.torch_low_precision",
-}
-
-
-def _backend_steps():
-    """This backend's `apply_update`, `update_variable` and `view`."""
-    return importlib.import_module(_STEP_MODULES[backend.name()])
-
-
-def _streams():
-    return rounding.streams()
+def streams():
+    """This backend's random stream and seeds for stochastic rounding
+    (`kmp.core.<backend>.rounding`)."""
+    return _stream_module

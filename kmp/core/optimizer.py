@@ -33,11 +33,20 @@ from kmp.core.optimizer_state import read_value
 from kmp.core.step import common as steps
 from kmp.core.step import stateless
 
+# The one place the step's backend is picked (and `unscale_gradients` and
+# `agree`, which `stateless_apply` takes on torch).
+_STATELESS_HOOKS = {}
 if backend.is_torch():
-    from kmp.core.step import torch as torch_step
+    from kmp.core.torch import distributed as torch_distributed
+    from kmp.core.torch import step as torch_step
+
+    _STATELESS_HOOKS = {
+        "unscale": torch_step.unscale_gradients,
+        "agree": torch_distributed.agree,
+    }
 if backend.is_tensorflow():
-    from kmp.core import tf_apply
-    from kmp.core.step import tensorflow as tf_steps
+    from kmp.core.tensorflow import apply as tf_apply
+    from kmp.core.tensorflow import step as tf_steps
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 _KerasOptimizer = keras.optimizers.Optimizer
@@ -443,7 +452,12 @@ class LossScaleOptimizer(
             `(new trainable variable values, new optimizer variable values)`.
         """
         return stateless.apply(
-            self, optimizer_variables, grads, trainable_variables, scaled
+            self,
+            optimizer_variables,
+            grads,
+            trainable_variables,
+            scaled,
+            **_STATELESS_HOOKS,
         )
 
     def finalize_variable_values(self, var_list):

@@ -24,6 +24,13 @@ from kmp.core import recipes
 from kmp.core import scaling
 from kmp.core.step import stateless
 
+# Torch's multi-tensor division where it applies; elsewhere one op per
+# gradient.
+if backend.is_torch():
+    from kmp.core.torch.step import unscale_gradients as _unscale
+else:
+    _unscale = scaling.unscale_gradients
+
 
 class ScalingMixin:
     """The scaling half of `LossScaleOptimizer` (see the module docstring)."""
@@ -97,7 +104,7 @@ class ScalingMixin:
         grads = arguments.checked_gradient_list(grads, "grads")
         scale = self._live_scale(grads, "get_unscaled_gradients")
         with keras.name_scope(self.name, caller=self):
-            unscaled = scaling.unscale_gradients(grads, scale)
+            unscaled = _unscale(grads, scale)
         self._recipes.unscale_called(grads, unscaled)
         return unscaled
 
@@ -152,7 +159,7 @@ class ScalingMixin:
         """
         grads = arguments.checked_gradient_list(grads, "grads")
         scale = stateless.scale_of(self, optimizer_variables)
-        unscaled = scaling.unscale_gradients(grads, scale)
+        unscaled = _unscale(grads, scale)
         self._recipes.unscale_called(grads, unscaled)
         return unscaled
 

@@ -543,7 +543,7 @@ class StateMixin:
         # plain and a loss-scale optimizer, both ways.
         children = {}
         if backend.is_tensorflow():
-            from kmp.core import tf_checkpoint
+            from kmp.core.tensorflow import checkpoint as tf_checkpoint
 
             children = tf_checkpoint.loss_scale_children(self, save_type)
         children.update(

@@ -8,20 +8,17 @@ reads as the variable plus its compensation in float32 and records what is
 assigned. `kmp.core.low_precision.LowPrecisionOptimizer` uses both.
 
 The arithmetic is written once, in `keras.ops`. What differs per backend is
-the random stream and how a seed is stored (`kmp.core.tf_rounding`:
-TensorFlow's stateless Philox; `jax_rounding`: `jax.random`, which has no
-int64 without x64; `torch_rounding`: a counter-based hash), and on
+the random stream and how a seed is stored (`kmp.core.tensorflow.rounding`:
+TensorFlow's stateless Philox; `kmp.core.jax.rounding`: `jax.random`, which
+has no int64 without x64; `kmp.core.torch.rounding`: a counter-based hash;
+`kmp.core.low_precision.streams()` is this backend's), and on
 TensorFlow the view itself, whose optimizers assign to the `tf.Variable`
 inside a Keras variable.
 """
 
-import importlib
-
 import keras
 import numpy as np
 from keras import ops
-
-from kmp.core import backend
 
 LOW_PRECISION_BITS = {
     "bfloat16": 16,
@@ -38,18 +35,6 @@ def dtype_name(dtype) -> str:
 def is_low(dtype) -> bool:
     """Whether `dtype` is bfloat16 or float16 (None is not)."""
     return dtype is not None and dtype_name(dtype) in LOW_PRECISION_BITS
-
-
-def streams():
-    """The backend's module of random streams and seeds (see above)."""
-    return importlib.import_module(f"kmp.core.{_PREFIXES[backend.name()]}")
-
-
-_PREFIXES = {
-    "tensorflow": "tf_rounding",
-    "jax": "jax_rounding",
-    "torch": "torch_rounding",
-}
 
 
 def round_with_noise(value, dtype, noise):
@@ -71,25 +56,27 @@ def round_with_noise(value, dtype, noise):
     return ops.cast(ops.view(bits, "float32"), dtype)
 
 
-def stochastic_round(value, dtype, seed):
+def stochastic_round(value, dtype, seed, streams):
     """Rounds float32 `value` to `dtype` (bfloat16 or float16), stochastically.
 
     A value rounds away from zero with probability equal to its distance
     from the neighbour towards zero, in units of the gap between them, so
     the result is unbiased. `seed` is two integers (a shape-[2] tensor or a
     list); the same seed gives the same rounding everywhere (a stateless,
-    counter-based stream). For float16, values in its subnormal range round
-    to nearest.
+    counter-based stream: `streams`, the backend's module of streams,
+    `kmp.core.low_precision.streams()`). For float16, values in its
+    subnormal range round to nearest.
 
+    >>> from kmp.core.low_precision import streams
     >>> x = keras.ops.full([4000], 1.0 + 2.0**-9)  # A quarter between.
-    >>> r = stochastic_round(x, "bfloat16", [1, 2])
+    >>> r = stochastic_round(x, "bfloat16", [1, 2], streams())
     >>> r = keras.ops.convert_to_numpy(keras.ops.cast(r, "float32"))
     >>> sorted(set(r.tolist()))
     [1.0, 1.0078125]
     >>> round(float(r.mean()), 3)
     1.002
     """
-    return round_with_noise(value, dtype, streams().random_bits(seed, value))
+    return round_with_noise(value, dtype, streams.random_bits(seed, value))
 
 
 def seed_of_saved(value) -> int:
@@ -109,7 +96,8 @@ def seed_of_saved(value) -> int:
 class Float32View(keras.Variable):
     """A variable's float32 stand-in for one call of an `update_step`.
 
-    On JAX and torch (TensorFlow has `kmp.core.tf_rounding.Float32View`).
+    On JAX and torch (TensorFlow has
+    `kmp.core.tensorflow.rounding.Float32View`).
     A Keras variable to the optimizer, whose operations read `.value`, but
     without storage of its own: it reads as `variable` plus `compensation`
     in `dtype`, computed once, and assignments replace that value and touch
@@ -184,5 +172,4 @@ __all__ = [
     "round_with_noise",
     "seed_of_saved",
     "stochastic_round",
-    "streams",
 ]

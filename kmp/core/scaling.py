@@ -46,15 +46,11 @@ def unscale_gradients(gradients: Iterable, scale, keep=()) -> List:
     """Divides every gradient by `scale` (None stays None; `keep` indices too).
 
     One op per gradient, which runs as soon as that gradient is computed,
-    alongside the rest of the backward pass (on torch one multi-tensor op
-    per dtype, `kmp.core.step.torch.unscale`). Sparse gradients are divided
-    on their values and stay sparse.
+    alongside the rest of the backward pass (torch's step uses one
+    multi-tensor op per dtype instead, `kmp.core.torch.step.unscale`).
+    Sparse gradients are divided on their values and stay sparse.
     """
     gradients = list(gradients)
-    if backend.is_torch():
-        unscaled = _unscale_on_torch(gradients, scale, keep)
-        if unscaled is not None:
-            return unscaled
     unscaled = []
     for index, gradient in enumerate(gradients):
         if gradient is None or index in keep:
@@ -72,23 +68,6 @@ def unscale_gradients(gradients: Iterable, scale, keep=()) -> List:
 
 def _tf():
     return backend.tensorflow()
-
-
-def _unscale_on_torch(gradients, scale, keep):
-    """`kmp.core.step.torch.unscale` where every gradient is a torch tensor
-    (or None) and `scale` a tensor or variable; else None. (A function of
-    its own: TensorFlow's AutoGraph converts `unscale_gradients`, and
-    imports inside it confuse the conversion.)"""
-    import torch
-
-    from kmp.core.step import torch as torch_step
-
-    scale = getattr(scale, "value", scale)
-    if not torch.is_tensor(scale) or not all(
-        g is None or torch.is_tensor(g) for g in gradients
-    ):
-        return None
-    return torch_step.unscale(gradients, scale, set(keep))
 
 
 def _quick_sum(gradients) -> object:

@@ -1,4 +1,5 @@
-"""Tests for kmp.core.fused.FusedAdam: Keras's Adam, one fused kernel.
+"""Tests for kmp.core.tensorflow.fused.FusedAdam: Keras's Adam, one fused
+kernel.
 
 FusedAdam must follow Keras's Adam to within float rounding wherever it uses
 TensorFlow's ResourceApplyAdam kernel, use exactly Keras's update wherever it

@@ -239,7 +239,7 @@ def test_every_mode_rounds_alike(mode):
 @pytest.mark.tensorflow
 @pytest.mark.parametrize("rounding", ["kahan", "stochastic"])
 def test_compiled_update_rounds_like_the_plain_one(rounding, monkeypatch):
-    from kmp.core import tf_low_precision
+    from kmp.core.tensorflow import low_precision as tf_low_precision
 
     def train():
         optimizer = LowPrecisionOptimizer(

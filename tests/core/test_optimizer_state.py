@@ -1,5 +1,5 @@
-"""Tests for kmp.core.optimizer_state and kmp.core.tf_checkpoint: saving and
-restoring a LossScaleOptimizer.
+"""Tests for kmp.core.optimizer_state and kmp.core.tensorflow.checkpoint:
+saving and restoring a LossScaleOptimizer.
 
 `get_config` / `from_config` and `keras.saving` round-trip its settings; the
 current scale and counters come back from `tf.train.Checkpoint` and from

@@ -11,13 +11,18 @@ import numpy as np
 import pytest
 
 from kmp.core import rounding
-from kmp.core.rounding import stochastic_round
+from kmp.core.low_precision import streams as backend_streams
 from tests.support import backends
 from tests.support.backends import MODES
 from tests.support.low_precision import compiled
 from tests.support.low_precision import numpy_of
 
 ops = keras.ops
+
+
+def stochastic_round(value, dtype, seed):
+    """`rounding.stochastic_round` with this backend's stream."""
+    return rounding.stochastic_round(value, dtype, seed, backend_streams())
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -69,7 +74,7 @@ def test_stochastic_rounding_is_reproducible_from_its_seed(mode):
 
 
 def test_the_stream_is_keyed_by_seed_step_and_variable():
-    streams = rounding.streams()
+    streams = backend_streams()
     seed = ops.convert_to_tensor(streams.seed_value(2**40 + 5))
 
     def key(seed, step, index):
@@ -90,5 +95,5 @@ def test_a_seed_saved_on_any_backend_reads_the_same(seed):
     assert rounding.seed_of_saved(np.int64(seed)) == seed  # TF, torch
     assert rounding.seed_of_saved(words) == seed  # JAX
     assert rounding.seed_of_saved(words.view("int32")) == seed
-    streams = rounding.streams()
+    streams = backend_streams()
     assert streams.seed_of(streams.seed_value(seed)) == seed

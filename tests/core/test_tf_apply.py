@@ -1,4 +1,4 @@
-"""Tests for kmp.core.tf_apply: how a step is applied on TensorFlow.
+"""Tests for kmp.core.tensorflow.apply: how a step is applied on TensorFlow.
 
 For Keras's own optimizers on small models in a tf.function, the inner update
 is applied at once and the state read just before it is written back if the
@@ -21,7 +21,7 @@ import tensorflow as tf  # noqa: E402
 
 import kmp  # noqa: E402
 from kmp import LossScaleOptimizer  # noqa: E402
-from kmp.core import tf_apply  # noqa: E402
+from kmp.core.tensorflow import apply as tf_apply  # noqa: E402
 from tests.support.training import INF  # noqa: E402
 from tests.support.training import NAN  # noqa: E402
 

@@ -3,19 +3,15 @@
 `prepare` unscales the gradients (when they are scaled) and decides, as
 tensors, whether the step is applied: all gradients finite, and a finite
 learning rate (a NaN learning rate would write NaN into every weight).
-TensorFlow's step (`kmp.core.step.tensorflow`) and the pure step of JAX
-(`kmp.core.step.stateless`) use it; torch's (`kmp.core.step.torch`) does
+TensorFlow's step (`kmp.core.tensorflow.step`) and the pure step of JAX
+(`kmp.core.step.stateless`) use it; torch's (`kmp.core.torch.step`) does
 the same with multi-tensor ops. Under `torch.distributed` the flags are agreed
-across processes where asked (`kmp.core.torch_distributed`).
+across processes where asked (`kmp.core.torch.distributed`).
 """
 
 from keras import ops
 
-from kmp.core import backend
 from kmp.core import scaling
-
-if backend.is_torch():
-    from kmp.core import torch_distributed
 
 
 def raw_overwrite_gradients(optimizer, grads, variables):
@@ -42,13 +38,23 @@ def current_learning_rate(optimizer):
         return None
 
 
-def prepare(optimizer, grads, variables, scaled):
+def prepare(
+    optimizer,
+    grads,
+    variables,
+    scaled,
+    unscale=scaling.unscale_gradients,
+    agree=None,
+):
     """Unscaled gradients and the step's finite flags.
 
-    Returns `(grads, finite, apply_ok, finite_per_gradient)`: whether the
-    gradients are finite (what the scale rule sees) and whether the step is
-    applied (which also needs a finite learning rate); the per-gradient
-    flags only with `record_nonfinite=True`, else None.
+    `unscale` divides the gradients by the scale (the backend's own where
+    it has one); `agree(finite, apply_ok, per_gradient, optimizer)`, if
+    given, agrees the flags across processes (torch's, which the caller
+    picks). Returns `(grads, finite, apply_ok, finite_per_gradient)`:
+    whether the gradients are finite (what the scale rule sees) and
+    whether the step is applied (which also needs a finite learning rate);
+    the per-gradient flags only with `record_nonfinite=True`, else None.
     """
     if scaled:
         keep = {
@@ -56,7 +62,7 @@ def prepare(optimizer, grads, variables, scaled):
             for i, v in enumerate(variables)
             if optimizer._overwrite_variable_with_gradient(v)
         }
-        grads = scaling.unscale_gradients(grads, optimizer.dynamic_scale, keep)
+        grads = unscale(grads, optimizer.dynamic_scale, keep)
     if optimizer._record_nonfinite:
         per_gradient = scaling.finite_per_gradient(grads)
         finite = ops.all(ops.stack(per_gradient))
@@ -69,8 +75,8 @@ def prepare(optimizer, grads, variables, scaled):
         apply_ok = ops.logical_and(
             finite, ops.all(ops.isfinite(ops.cast(rate, "float32")))
         )
-    if backend.is_torch():
-        finite, apply_ok, per_gradient = torch_distributed.agree(
+    if agree is not None:
+        finite, apply_ok, per_gradient = agree(
             finite, apply_ok, per_gradient, optimizer
         )
     return grads, finite, apply_ok, per_gradient

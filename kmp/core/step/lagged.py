@@ -17,7 +17,7 @@ finished it:
   `check_persistent_skips_now`).
 
 On torch the step reads the device once anyway (to apply or skip), and
-its report needs no lag (`kmp.core.step.torch`).
+its report needs no lag (`kmp.core.torch.step`).
 """
 
 import collections

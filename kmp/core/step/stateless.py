@@ -27,6 +27,7 @@ from keras.src.backend.common.stateless_scope import in_stateless_scope
 
 from kmp.core import backend
 from kmp.core import jax_tracing
+from kmp.core import scaling
 from kmp.core.step import common as steps
 
 
@@ -37,9 +38,12 @@ def apply(
     trainable_variables,
     scaled,
     report=True,
+    unscale=scaling.unscale_gradients,
+    agree=None,
 ):
     """See `LossScaleOptimizer.stateless_apply`; `report=False` leaves the
-    persistent-skips report to the caller."""
+    persistent-skips report to the caller; `unscale` and `agree` are the
+    backend's, as `kmp.core.step.common.prepare` takes them."""
     if not optimizer.built:
         raise ValueError(
             "To call stateless_apply, the optimizer must be built (its "
@@ -81,7 +85,7 @@ def apply(
 
     with StatelessScope(state_mapping=mapping):
         grads, finite, apply_ok, per_gradient = steps.prepare(
-            optimizer, grads, variables, scaled
+            optimizer, grads, variables, scaled, unscale, agree
         )
 
     inner = optimizer.inner_optimizer
@@ -98,7 +102,7 @@ def apply(
     if backend.is_torch():
         # Keras's torch optimizers update the values they are given in
         # place, also in a StatelessScope: decided first (torch's one read
-        # of the device in a step, as kmp.core.step.torch).
+        # of the device in a step, as kmp.core.torch.step).
         chosen = applied if bool(ops.convert_to_numpy(apply_ok)) else skipped
         new_trainable, new_inner = chosen()
     elif jax_tracing.any_tracer([apply_ok]):

@@ -17,8 +17,8 @@ import functools
 from kmp.core import backend
 from kmp.core import borrow
 from kmp.core import rounding
-from kmp.core import tf_apply
-from kmp.core import tf_rounding
+from kmp.core.tensorflow import apply as tf_apply
+from kmp.core.tensorflow import rounding as tf_rounding
 
 tf = backend.tensorflow()
 

@@ -27,8 +27,9 @@ division and the check are one `torch._foreach_*` op each per dtype.
 import torch
 
 from kmp.core import checks
-from kmp.core import torch_distributed
+from kmp.core import scaling
 from kmp.core.step import common
+from kmp.core.torch import distributed
 
 _WIDE = (torch.float32, torch.float64)
 
@@ -54,6 +55,19 @@ def unscale(grads, scale, keep=()):
         for i, value in zip(indices, divided):
             result[i] = value
     return result
+
+
+def unscale_gradients(gradients, scale, keep=()):
+    """`kmp.core.scaling.unscale_gradients`, with `unscale`'s multi-tensor
+    ops where every gradient is a torch tensor (or None) and `scale` a
+    tensor or variable (the public `get_unscaled_gradients` on torch)."""
+    gradients = list(gradients)
+    value = getattr(scale, "value", scale)
+    if torch.is_tensor(value) and all(
+        g is None or torch.is_tensor(g) for g in gradients
+    ):
+        return unscale(gradients, value, set(keep))
+    return scaling.unscale_gradients(gradients, scale, keep)
 
 
 def finite_flags(grads):
@@ -95,7 +109,7 @@ def apply(optimizer, grads, variables, scaled: bool) -> None:
             apply_ok = torch.logical_and(finite, torch.isfinite(rate).all())
         elif not checks.is_finite_number(rate):
             apply_ok = torch.zeros_like(finite)
-    finite, apply_ok, per_gradient = torch_distributed.agree(
+    finite, apply_ok, per_gradient = distributed.agree(
         finite, apply_ok, per_gradient, optimizer
     )
     in_a_row_before = optimizer.consecutive_skips_variable.value

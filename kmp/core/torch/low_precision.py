@@ -14,11 +14,11 @@ import functools
 
 import torch
 
-from kmp.core import low_precision
 from kmp.core import rounding
+from kmp.core.step import low_precision as shared
 
-update_variable = low_precision.update_variable
-view = low_precision.view
+update_variable = shared.update_variable
+view = shared.view
 
 
 def apply_update(optimizer, grads, variables):
@@ -36,7 +36,7 @@ def apply_update(optimizer, grads, variables):
                     variable.assign(variable.constraint(variable))
             return
         step = _per_variable_update_step(type(inner))
-        low_precision.routed_update(
+        shared.routed_update(
             optimizer, grads, variables, functools.partial(step, inner)
         )
 

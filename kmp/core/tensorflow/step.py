@@ -1,5 +1,5 @@
 """One `LossScaleOptimizer` step on TensorFlow: eager, graph, XLA and
-`tf.distribute` (see `kmp.core.tf_apply` for the pieces).
+`tf.distribute` (see `kmp.core.tensorflow.apply` for the pieces).
 
 In a graph the update either waits for the finite check in a cond (lowered
 into the graph, as TensorFlow does it, so Grappler optimizes the update
@@ -9,9 +9,9 @@ applied at once and undone on a skipped step.
 """
 
 from kmp.core import backend
-from kmp.core import tf_apply
-from kmp.core.fused import FusedAdam
 from kmp.core.step import common as steps
+from kmp.core.tensorflow import apply as tf_apply
+from kmp.core.tensorflow.fused import FusedAdam
 
 tf = backend.tensorflow()
 

@@ -1,0 +1,15 @@
+"""How `LowPrecisionOptimizer` applies a step on JAX: the inner optimizer's
+own step, with its `update_step` lent (nothing more is needed)."""
+
+from kmp.core.step import low_precision as shared
+
+update_variable = shared.update_variable
+view = shared.view
+
+
+def apply_update(optimizer, grads, variables):
+    """Applies the (clipped) gradients: the inner optimizer's own step."""
+    inner = optimizer.inner_optimizer
+    shared.routed_update(
+        optimizer, grads, variables, inner._backend_update_step
+    )

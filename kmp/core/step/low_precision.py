@@ -1,0 +1,36 @@
+"""What every backend's `LowPrecisionOptimizer` step shares.
+
+`routed_update` runs an inner optimizer's own update with its
+`update_step` lent by the `LowPrecisionOptimizer` (JAX, torch); the
+defaults `update_variable` and `view` are JAX's and torch's, where the
+float32 stand-in is `kmp.core.rounding.Float32View` (TensorFlow's are in
+`kmp.core.tensorflow.low_precision`).
+"""
+
+from kmp.core import borrow
+from kmp.core import rounding
+
+
+def routed_update(optimizer, grads, variables, backend_update_step):
+    """Runs `backend_update_step` (the inner optimizer's, or a form of it)
+    with its `update_step` lent by `optimizer` (JAX, torch)."""
+    inner = optimizer.inner_optimizer
+    with borrow.lent(
+        inner,
+        update_step=optimizer._update_step,
+        _var_key=optimizer._inner_var_key,
+    ):
+        backend_update_step(grads, variables, inner.learning_rate)
+
+
+def update_variable(optimizer, gradient, learning_rate, variable, index):
+    """One variable's update (`LowPrecisionOptimizer._update_step`)."""
+    optimizer._update_one(gradient, learning_rate, variable, index)
+
+
+def view(optimizer, variable, model_variable, compensation, dtype):
+    """The float32 stand-in for `variable` in the inner `update_step`."""
+    return rounding.Float32View(model_variable, compensation, dtype)
+
+
+__all__ = ["routed_update", "update_variable", "view"]
