@@ -150,6 +150,9 @@ _INTERNALS = ("/torch/", "/jax/", "/jaxlib/", "/tensorflow/", "/numpy/")
 
 
 def _is_library_internal(frame) -> bool:
-    """A frame of the backend's or NumPy's own code (never a `via`)."""
+    """A frame of the backend's or NumPy's own code (never a `via`); kmp's
+    own backend packages (`kmp/core/torch/`) are not."""
+    if area(frame.f_code.co_filename) == "kmp":
+        return False
     path = frame.f_code.co_filename.replace(os.sep, "/")
     return any(part in path for part in _INTERNALS) or path.startswith("<")

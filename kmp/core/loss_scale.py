@@ -98,14 +98,73 @@ class ScaleRule:
         """`(scale, 0, hysteresis)`: where a run starts."""
         return (scale, 0, self.hysteresis)
 
-    def next(self, state: State, finite) -> State:
+    def next(self, state: State, finite, xp=None) -> State:
         """The state after one step; see the module docstring.
 
         Works on numbers and on tensors of any backend alike, without
         Python control flow on values (so it runs inside `tf.function`,
         `jax.jit` and on every replica). Returns float32 / integer tensors of
         the counters' dtype.
+
+        `xp` is the namespace of the few operations it takes (`KerasOps`,
+        the default; torch's step passes its own, whose Python numbers are
+        kernel arguments, never uploaded). With it, `finite` may be the
+        Python `True` (a step the host already knows was applied): then the
+        same rule takes fewer operations.
         """
+        xp = xp or KerasOps
+        scale, counter, hysteresis_left, finite = xp.prepare(state, finite)
+        counted = counter + 1
+        grown = scale * self.growth_factor
+        grown = xp.where(grown <= self.max_scale, grown, scale)
+        reset = xp.full_like(hysteresis_left, self.hysteresis)
+        if finite is True:
+            grow = counted >= self.growth_steps
+            return (
+                xp.where(grow, grown, scale),
+                xp.where(grow, xp.zeros_like(counter), counted),
+                xp.where(grow, reset, hysteresis_left),
+            )
+        grow = xp.logical_and(finite, counted >= self.growth_steps)
+        backs_off = xp.logical_and(xp.logical_not(finite), hysteresis_left <= 1)
+        backed_off = xp.maximum(scale * self.backoff_factor, self.min_scale)
+
+        new_scale = xp.where(
+            grow, grown, xp.where(backs_off, backed_off, scale)
+        )
+        new_counter = xp.where(
+            xp.logical_and(finite, xp.logical_not(grow)),
+            counted,
+            xp.zeros_like(counter),
+        )
+        new_hysteresis = xp.where(
+            grow,
+            reset,
+            xp.where(
+                xp.logical_or(finite, backs_off),
+                hysteresis_left,
+                hysteresis_left - 1,
+            ),
+        )
+        return new_scale, new_counter, new_hysteresis
+
+
+class KerasOps:
+    """The operations `ScaleRule.next` takes, from `keras.ops` (any
+    backend); `prepare` makes tensors of the state and the flag."""
+
+    where = staticmethod(ops.where)
+    logical_and = staticmethod(ops.logical_and)
+    logical_or = staticmethod(ops.logical_or)
+    logical_not = staticmethod(ops.logical_not)
+    maximum = staticmethod(ops.maximum)
+    full_like = staticmethod(ops.full_like)
+    zeros_like = staticmethod(ops.zeros_like)
+
+    @staticmethod
+    def prepare(state, finite):
+        """`(scale, counter, hysteresis_left, finite)` as tensors: float32,
+        the counter's integer dtype (int32 for a float), bool."""
         scale, counter, hysteresis_left = state
         scale = ops.convert_to_tensor(scale, "float32")
         counter = ops.convert_to_tensor(counter)
@@ -113,33 +172,7 @@ class ScaleRule:
             counter = ops.cast(counter, "int32")
         hysteresis_left = ops.cast(hysteresis_left, counter.dtype)
         finite = ops.convert_to_tensor(finite, "bool")
-        zero = ops.zeros_like(counter)
-
-        counted = counter + 1
-        grow = ops.logical_and(finite, counted >= self.growth_steps)
-        grown = scale * self.growth_factor
-        grown = ops.where(grown <= self.max_scale, grown, scale)
-        backs_off = ops.logical_and(
-            ops.logical_not(finite), hysteresis_left <= 1
-        )
-        backed_off = ops.maximum(scale * self.backoff_factor, self.min_scale)
-
-        new_scale = ops.where(
-            grow, grown, ops.where(backs_off, backed_off, scale)
-        )
-        new_counter = ops.where(
-            ops.logical_and(finite, ops.logical_not(grow)), counted, zero
-        )
-        new_hysteresis = ops.where(
-            grow,
-            ops.full_like(hysteresis_left, self.hysteresis),
-            ops.where(
-                ops.logical_or(finite, backs_off),
-                hysteresis_left,
-                hysteresis_left - 1,
-            ),
-        )
-        return new_scale, new_counter, new_hysteresis
+        return scale, counter, hysteresis_left, finite
 
 
 def checked_settings(

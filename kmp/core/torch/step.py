@@ -15,10 +15,11 @@ gradient was inf/NaN) and keeps everything else there; so does this step:
    `GradScaler.step`'s `found_inf.item()`);
 4. apply with the inner optimizer, or skip and put back what
    `keep_on_skip` kept;
-5. update the loss-scale state with device ops whose Python numbers are
-   kernel arguments (no upload), following `kmp.core.loss_scale.ScaleRule`
-   exactly; the persistent-skips report needs no further read: the count
-   in a row follows from the numbers read in 3.
+5. update the loss-scale state by `kmp.core.loss_scale.ScaleRule` itself,
+   given torch's operations (`TorchOps`: Python numbers are kernel
+   arguments, nothing is uploaded), in place; the persistent-skips report
+   needs no further read: the count in a row follows from the numbers read
+   in 3.
 
 The kernels a step adds do not grow with the number of variables: the
 division and the check are one `torch._foreach_*` op each per dtype.
@@ -152,58 +153,35 @@ def update_state(optimizer, finite, applied: bool, per_gradient, variables):
             optimizer.nonfinite_mask.value.copy_(torch.stack(bad))
     if not optimizer.dynamic:
         return
-    if applied:
-        _next_scale_after_finite(optimizer)
-    else:
-        _next_scale(optimizer, finite)
-
-
-def _next_scale_after_finite(optimizer):
-    """`ScaleRule.next` with `finite` true (an applied step is finite), in
-    a few in-place ops: count, and grow after `growth_steps` in a row."""
-    rule = optimizer.rule
+    # The rule of kmp.core.loss_scale, in place: an applied step is finite,
+    # which the host knows (read already); a skipped one may be too (a NaN
+    # learning rate).
     scale = optimizer.dynamic_scale.value
     counter = optimizer.step_counter.value
     hysteresis_left = optimizer.hysteresis_left.value
-    counter.add_(1)
-    grow = counter >= rule.growth_steps
-    grown = scale * rule.growth_factor
-    scale.copy_(torch.where(grow & (grown <= rule.max_scale), grown, scale))
-    counter.masked_fill_(grow, 0)
-    hysteresis_left.masked_fill_(grow, rule.hysteresis)
+    new = optimizer.rule.next(
+        (scale, counter, hysteresis_left),
+        True if applied else finite,
+        xp=TorchOps,
+    )
+    for variable, value in zip((scale, counter, hysteresis_left), new):
+        variable.copy_(value)
 
 
-def _next_scale(optimizer, finite):
-    """`ScaleRule.next` on the variables' tensors (see its pseudo-code)."""
-    rule = optimizer.rule
-    scale = optimizer.dynamic_scale.value
-    counter = optimizer.step_counter.value
-    hysteresis_left = optimizer.hysteresis_left.value
-    counted = counter + 1
-    grow = torch.logical_and(finite, counted >= rule.growth_steps)
-    grown = scale * rule.growth_factor
-    grown = torch.where(grown <= rule.max_scale, grown, scale)
-    backs_off = torch.logical_and(
-        torch.logical_not(finite), hysteresis_left <= 1
-    )
-    backed_off = torch.clamp_min(scale * rule.backoff_factor, rule.min_scale)
-    new_scale = torch.where(
-        grow, grown, torch.where(backs_off, backed_off, scale)
-    )
-    new_counter = torch.where(
-        torch.logical_and(finite, torch.logical_not(grow)),
-        counted,
-        torch.zeros_like(counter),
-    )
-    new_hysteresis = torch.where(
-        grow,
-        torch.full_like(hysteresis_left, rule.hysteresis),
-        torch.where(
-            torch.logical_or(finite, backs_off),
-            hysteresis_left,
-            hysteresis_left - 1,
-        ),
-    )
-    scale.copy_(new_scale)
-    counter.copy_(new_counter)
-    hysteresis_left.copy_(new_hysteresis)
+class TorchOps:
+    """The operations `ScaleRule.next` takes, in torch: its Python numbers
+    are kernel arguments (`scale * factor`, `clamp_min`), nothing is
+    uploaded; the state is the variables' tensors as they are."""
+
+    where = staticmethod(torch.where)
+    logical_and = staticmethod(torch.logical_and)
+    logical_or = staticmethod(torch.logical_or)
+    logical_not = staticmethod(torch.logical_not)
+    maximum = staticmethod(torch.clamp_min)
+    full_like = staticmethod(torch.full_like)
+    zeros_like = staticmethod(torch.zeros_like)
+
+    @staticmethod
+    def prepare(state, finite):
+        scale, counter, hysteresis_left = state
+        return scale, counter, hysteresis_left, finite
