@@ -158,3 +158,30 @@ def test_the_layer_contracts_name_modules_that_exist():
                     named += [f"{c}.{part}" for c in containers] or [part]
     assert named
     assert [name for name in named if name not in modules] == []
+
+
+def test_kmp_core_imports_kmp_only_at_the_top():
+    """A function-local import of kmp's own code dodges a cycle, and inside
+    a function that TensorFlow's AutoGraph converts it makes AutoGraph warn
+    ("could not transform <function _gcd_import>"). Function-local imports
+    are for optional third-party packages only."""
+    local = []
+    for name, path in module_names(ROOT).items():
+        if not name.startswith("kmp.core"):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for function in ast.walk(tree):
+            if not isinstance(
+                function, (ast.FunctionDef, ast.AsyncFunctionDef)
+            ):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.ImportFrom) and (
+                    node.level or (node.module or "").startswith("kmp")
+                ):
+                    local.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+                elif isinstance(node, ast.Import) and any(
+                    a.name.startswith("kmp") for a in node.names
+                ):
+                    local.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert local == []

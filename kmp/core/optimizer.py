@@ -109,8 +109,10 @@ class LossScaleOptimizer(
         inner_optimizer: The Keras optimizer to wrap (not a loss-scale one),
             with a finite learning rate (or a schedule, or a callable).
         dynamic: Whether the scale adapts (True) or stays fixed (False).
-        initial_scale: The first scale, a finite number >= 1 (>= min_scale).
-            Defaults to 2**15 when dynamic; required when fixed.
+        initial_scale: The first scale: when dynamic, a finite number from
+            `min_scale` (1 by default, as low as 2**-24) to `max_scale`,
+            2**15 by default; when fixed, required, from 1 to the largest
+            float32.
         dynamic_growth_steps: Finite steps in a row before the scale grows;
             a positive integer, 2000 by default; must be None when fixed.
         name: The optimizer's name.
@@ -275,7 +277,14 @@ class LossScaleOptimizer(
 
     @property
     def dynamic_counter(self):
-        """Finite steps since the scale last changed; None if fixed."""
+        """The rule's counter of finite steps in a row; None if fixed.
+
+        It counts finite steps since the last growth or non-finite step,
+        and resets to 0 when it reaches `dynamic_growth_steps` (whether the
+        scale grew or growth was refused at `max_scale`) and on every
+        non-finite step (also one that hysteresis absorbs, leaving the
+        scale as it was).
+        """
         if not self._dynamic:
             return None
         return read_value(self.step_counter)

@@ -114,7 +114,8 @@ def check_scale_settings(dynamic, initial_scale, growth_steps, knobs):
         )
     elif not checks.is_real_number(initial_scale):
         raise ArgumentTypeError(
-            "'initial_scale' must be a number (a finite float >= 1). "
+            "'initial_scale' must be a number (a finite float from "
+            "min_scale to max_scale; at least 1 when fixed). "
             f"Received: initial_scale={checks.describe(initial_scale)}"
         )
     if not dynamic:

@@ -32,6 +32,9 @@ from keras.src.saving.keras_saveable import KerasSaveable
 from kmp.core import backend
 from kmp.core.step import lagged
 
+if backend.is_tensorflow():
+    from kmp.core.tensorflow import checkpoint as tf_checkpoint
+
 
 def read_value(variable):
     """A snapshot of `variable`'s value now (a tensor that later steps do not
@@ -342,6 +345,12 @@ class StateMixin:
             ops.convert_to_numpy(in_a_row), ops.convert_to_numpy(scale)
         )
 
+    def _discard_pending_skip_checks(self) -> None:
+        """Forgets the steps `check_persistent_skips` kept to report later:
+        what `fit` and `train_on_batch` do when they end (`kmp.patches.
+        compile`), so no report crosses into a later call."""
+        self._lagged_checks().clear()
+
     def _lagged_checks(self):
         checks = self.__dict__.get("_lagged_skip_checks")
         if checks is None:
@@ -543,8 +552,6 @@ class StateMixin:
         # plain and a loss-scale optimizer, both ways.
         children = {}
         if backend.is_tensorflow():
-            from kmp.core.tensorflow import checkpoint as tf_checkpoint
-
             children = tf_checkpoint.loss_scale_children(self, save_type)
         children.update(
             self._inner_optimizer._trackable_children(save_type, **kwargs)

@@ -173,20 +173,35 @@ def make_train_function(original, self, force=False):
 def fit(original, self, *args, **kwargs):
     """Keras's `fit`; where a kmp optimizer's check comes a step late (see
     `make_train_function`), the last step of `fit` is checked at its end,
-    once Keras has read the logs of the epoch."""
-    history = original(self, *args, **kwargs)
-    if _needs_skip_check(self):
-        self.optimizer.check_persistent_skips_now()
+    once Keras has read the logs of the epoch. A `fit` that raises (for
+    persistent skips, or anything else) drops the checks of its steps it
+    had not read yet: no report crosses into a later call."""
+    try:
+        history = original(self, *args, **kwargs)
+        if _needs_skip_check(self):
+            self.optimizer.check_persistent_skips_now()
+    finally:
+        _drop_unread_checks(self)
     return history
 
 
 def train_on_batch(original, self, *args, **kwargs):
     """Keras's `train_on_batch`, which reads its logs anyway: the step is
     checked at once (see `fit`)."""
-    logs = original(self, *args, **kwargs)
-    if _needs_skip_check(self):
-        self.optimizer.check_persistent_skips_now()
+    try:
+        logs = original(self, *args, **kwargs)
+        if _needs_skip_check(self):
+            self.optimizer.check_persistent_skips_now()
+    finally:
+        _drop_unread_checks(self)
     return logs
+
+
+def _drop_unread_checks(model) -> None:
+    """Forgets the lagged checks of `model`'s kmp optimizer (those of the
+    call that ends; after `check_persistent_skips_now` there are none)."""
+    if _needs_skip_check(model):
+        model.optimizer._discard_pending_skip_checks()
 
 
 def train_step(original, self, data):

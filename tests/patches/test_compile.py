@@ -149,6 +149,27 @@ def test_fit_stopped_by_persistent_skips_leaves_the_statistics_restored(mode):
 
 
 @pytest.mark.parametrize("mode", backends.MODES)
+def test_a_report_does_not_cross_from_one_fit_to_the_next(mode):
+    # Batches 1 and 2 overflow: fit raises for batch 1 (after it, or a
+    # step later where the check lags); batch 2's report belongs to that
+    # fit too. The next fit, on finite batches, raises nothing.
+    x = overflow.X.copy()
+    x[overflow.BATCH_SIZE + 1 :: overflow.BATCH_SIZE, 0] = 1e6
+    with pytest.raises(Exception, match="skipped the last 1 steps") as caught:
+        overflow.fit(
+            x,
+            overflow.Y,
+            {"max_consecutive_skips": 1, "on_persistent_skips": "raise"},
+            **training.compile_kwargs(mode),
+        )
+    trained = caught.value.model
+    trained.fit(
+        overflow.X, overflow.Y, batch_size=overflow.BATCH_SIZE, verbose=0
+    )
+    assert int(trained.optimizer.consecutive_skips) == 0
+
+
+@pytest.mark.parametrize("mode", backends.MODES)
 def test_train_on_batch_stopped_by_persistent_skips_keeps_the_step(mode):
     # The step that raises has its state written (on JAX, from the state
     # the pure step returned: the state it was given was donated), and the
