@@ -35,9 +35,9 @@ import tensorflow as tf  # noqa: E402
 from keras.src.optimizers import base_optimizer  # noqa: E402
 
 import kmp  # noqa: E402
+from kmp.core import optimizer as _kmp_optimizer  # noqa: E402
 from kmp.core import scaling  # noqa: E402
 from kmp.core import tf_apply  # noqa: E402
-from kmp.core import optimizer as _kmp_optimizer  # noqa: E402
 from kmp.tools.bench import timing  # noqa: E402
 
 # The module whose `apply` kmp's optimizer calls for its TensorFlow step,
