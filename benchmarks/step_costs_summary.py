@@ -10,8 +10,10 @@ plain Adam's step in kernels (torch: ops dispatched; JAX: kernels of the
 compiled step, those inside a conditional's branches included).
 
     python benchmarks/step_costs_summary.py
+    python benchmarks/step_costs_summary.py --output /tmp/s.json  # the test
 """
 
+import argparse
 import json
 import pathlib
 
@@ -40,6 +42,14 @@ def _kernels(record):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--output",
+        type=pathlib.Path,
+        default=RESULTS / "step_costs.json",
+        help="the JSON to write (default results/step_costs.json)",
+    )
+    args = parser.parse_args()
     reads, kernels, machines = [], [], []
     for backend in ("torch", "jax"):
         now, versions = _records(RESULTS / "step_costs" / f"{backend}.json")
@@ -137,7 +147,7 @@ def main():
             "previous step's.",
         ],
     }
-    path = RESULTS / "step_costs.json"
+    path = args.output
     path.write_text(json.dumps(document, indent=1) + "\n")
     print(f"Wrote {path}")
 
