@@ -6,6 +6,7 @@ it must print. Numbers from these runs mean nothing; the point is that a
 script whose imports or options rot fails here.
 """
 
+import json
 import os
 import pathlib
 import subprocess
@@ -16,18 +17,28 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 
-# script -> (arguments, text its output must contain)
+# script -> (arguments, text its output must contain); "{tmp}" in an
+# argument is the test's temporary directory.
 SMOKE = {
-    "bf16_speedup.py": (["--quick", "--models", "mlp"], "mlp"),
+    "bf16_speedup.py": (["--quick", "--models", "mlp"], ">= 1.7x"),
+    "loss_scale_overhead.py": (["--quick", "--models", "mlp"], "<= +3%"),
+    "lstm_graph.py": ([], "Training step (forward and gradient)"),
     "overhead_breakdown.py": (
         "--layers 2 --units 16 --rounds 1 --steps 2 --warmup 1"
         " --variants plain,kmp".split(),
-        "kmp",
+        "Adam alone",
     ),
+    "step_costs_summary.py": (["--output", "{tmp}/step_costs.json"], "Wrote"),
+}
+
+# Scripts for one backend: the mark that skips them elsewhere, and the
+# KERAS_BACKEND their subprocess gets.
+JAX_ONLY = {
+    "jax_overhead.py": (["--quick", "--models", "mlp"], "bfloat16 speed-up"),
 }
 
 # Libraries imported by the scripts: they only need to import.
-LIBRARIES = {"common.py"}
+LIBRARIES = {"common.py", "report.py"}
 
 # Scripts not yet given a smoke run (see issue 30, item 6): listed so the
 # coverage test names them; each is skipped with the reason.
@@ -36,16 +47,11 @@ PENDING = {
     for name in (
         "bf16_all_the_way.py",
         "bf16_breakdown.py",
-        "jax_overhead.py",
-        "loss_scale_overhead.py",
-        "lstm_graph.py",
         "memory.py",
         "memory_breakdown.py",
         "memory_keras_vs_raw.py",
         "op_profile.py",
-        "report.py",
         "step_costs.py",
-        "step_costs_summary.py",
     )
 }
 
@@ -67,18 +73,40 @@ def _run(args, cwd, extra_env=None):
 
 def test_table_covers_every_script():
     scripts = {path.name for path in BENCHMARKS.glob("*.py")}
-    listed = set(SMOKE) | LIBRARIES | set(PENDING)
+    listed = set(SMOKE) | set(JAX_ONLY) | LIBRARIES | set(PENDING)
     assert scripts == listed
 
 
+def _repository_files():
+    return sorted((str(p), p.stat().st_mtime_ns) for p in BENCHMARKS.rglob("*"))
+
+
+def _smoke(name, args, expected, tmp_path, extra_env=None):
+    before = _repository_files()
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    result = _run([str(BENCHMARKS / name), *args], tmp_path, extra_env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert expected in result.stdout, result.stdout[-3000:]
+    assert _repository_files() == before, "wrote into benchmarks/"
+    return result
+
+
+@pytest.mark.tensorflow
 @pytest.mark.parametrize("name", sorted(SMOKE))
 def test_script_runs_in_tiny_mode(name, tmp_path):
     args, expected = SMOKE[name]
-    before = sorted(p.name for p in (BENCHMARKS / "results").glob("*"))
-    result = _run([str(BENCHMARKS / name), *args], cwd=tmp_path)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert expected in result.stdout
-    assert sorted(p.name for p in (BENCHMARKS / "results").glob("*")) == before
+    _smoke(name, args, expected, tmp_path)
+    if name == "step_costs_summary.py":
+        document = json.loads((tmp_path / "step_costs.json").read_text())
+        assert document["format"] == "kmp-benchmark-results/1"
+
+
+@pytest.mark.jax
+@pytest.mark.parametrize("name", sorted(JAX_ONLY))
+def test_jax_script_runs_in_tiny_mode(name, tmp_path):
+    args, expected = JAX_ONLY[name]
+    _smoke(name, args, expected, tmp_path, {"KERAS_BACKEND": "jax"})
 
 
 @pytest.mark.parametrize("name", sorted(LIBRARIES))
