@@ -35,10 +35,14 @@ import tensorflow as tf  # noqa: E402
 from keras.src.optimizers import base_optimizer  # noqa: E402
 
 import kmp  # noqa: E402
+from kmp.core import optimizer as _kmp_optimizer  # noqa: E402
 from kmp.core import scaling  # noqa: E402
-from kmp.core import tf_steps  # noqa: E402
 from kmp.core.tensorflow import apply as tf_apply  # noqa: E402
 from kmp.tools.bench import timing  # noqa: E402
+
+# The module whose `apply` kmp's optimizer calls for its TensorFlow step
+# (`kmp.core.tensorflow.step`), as the optimizer holds it.
+tf_steps = _kmp_optimizer.tf_steps
 
 VARIANTS = {
     "unscale": "divide the gradients by the scale, then apply",
@@ -60,7 +64,7 @@ class _Replaced(kmp.LossScaleOptimizer):
     """kmp's optimizer whose TensorFlow step is `self.step_on_tensorflow`.
 
     `LossScaleOptimizer.apply` checks the gradients and decides the recipe,
-    then calls `kmp.core.tf_steps.apply`; the variants replace that call
+    then calls `kmp.core.step.tensorflow.apply`; the variants replace that call
     while their step is traced.
     """
 

@@ -14,8 +14,10 @@ against plain Adam's, at 202 variables, with `<backend>_where_202.json`
 `jnp.where`).
 
     python benchmarks/step_costs_summary.py
+    python benchmarks/step_costs_summary.py --output /tmp/s.json  # the test
 """
 
+import argparse
 import json
 import pathlib
 
@@ -74,6 +76,14 @@ def _jax_copies_and_times(size=202):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--output",
+        type=pathlib.Path,
+        default=RESULTS / "step_costs.json",
+        help="the JSON to write (default results/step_costs.json)",
+    )
+    args = parser.parse_args()
     reads, kernels, machines = [], [], []
     for backend in ("torch", "jax"):
         now, versions = _records(RESULTS / "step_costs" / f"{backend}.json")
@@ -194,7 +204,7 @@ def main():
             "previous step's.",
         ],
     }
-    path = RESULTS / "step_costs.json"
+    path = args.output
     path.write_text(json.dumps(document, indent=1) + "\n")
     print(f"Wrote {path}")
 
