@@ -541,7 +541,8 @@ def main(argv=None) -> int:
         _memory_child(args.child, args.quick, args.memory_steps)
         return 0
     report.print_machine("bfloat16 all the way")
-    print(f"{'keras backend':>16}: {os.environ['KERAS_BACKEND']}")
+    keras, _ = _setup()
+    print(f"{'keras backend':>16}: {keras.backend.backend()}")
     print(f"{'cpu flags':>16}: {report.cpu_flags('bf16')}")
     if args.quick:
         print(f"{'':>16}  --quick: tiny sizes; the numbers mean nothing")

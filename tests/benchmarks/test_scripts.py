@@ -3,7 +3,9 @@
 Each entry of `SMOKE` runs `python benchmarks/<script> <args>` in a
 subprocess (cwd a temporary directory) and checks its exit code and a text
 it must print. Numbers from these runs mean nothing; the point is that a
-script whose imports or options rot fails here.
+script whose imports or options rot fails here. A new script fails
+`test_table_covers_every_script` until it has its entry. (The GPU runner,
+`benchmarks/gpu/`, has its own tiny runs in `test_gpu_runner.py`.)
 """
 
 import json
@@ -12,6 +14,7 @@ import pathlib
 import subprocess
 import sys
 
+import keras
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -30,30 +33,40 @@ SMOKE = {
         "Adam alone",
     ),
     "step_costs_summary.py": (["--output", "{tmp}/step_costs.json"], "Wrote"),
+    "bf16_all_the_way.py": (
+        ["--quick", "--tasks", "digits", "--plot", "{tmp}/curves.png"],
+        "loss curves written",
+    ),
+    "memory.py": (["--quick", "--models", "mlp"], "memory beyond the weights"),
+    "memory_breakdown.py": (
+        ["--quick", "--models", "mlp", "--variants", "bf16-input"],
+        "bf16-input",
+    ),
+    "memory_keras_vs_raw.py": (["--quick"], "bf16 / float32"),
+    "op_profile.py": (["--quick"], "ReadVariableOp"),
+}
+
+# Scripts that run on every backend (here on the one the suite runs on).
+EVERY_BACKEND = {
+    "step_costs.py": (
+        "--sizes 4 --steps 1 --time-steps 0 --loops loop"
+        " --output {tmp}/step_costs.json".split(),
+        "kmp's call sites",
+    ),
 }
 
 # Scripts for one backend: the mark that skips them elsewhere, and the
 # KERAS_BACKEND their subprocess gets.
 JAX_ONLY = {
     "jax_overhead.py": (["--quick", "--models", "mlp"], "bfloat16 speed-up"),
+    "jax_apply_or_skip.py": (
+        "--variables 4 --repeats 1 --steps 2".split(),
+        "kmp (cond)",
+    ),
 }
 
 # Libraries imported by the scripts: they only need to import.
 LIBRARIES = {"common.py", "report.py"}
-
-# Scripts not yet given a smoke run (see issue 30, item 6): listed so the
-# coverage test names them; each is skipped with the reason.
-PENDING = {
-    name: "tiny mode not yet checked"
-    for name in (
-        "bf16_all_the_way.py",
-        "memory.py",
-        "memory_breakdown.py",
-        "memory_keras_vs_raw.py",
-        "op_profile.py",
-        "step_costs.py",
-    )
-}
 
 
 def _run(args, cwd, extra_env=None):
@@ -74,7 +87,7 @@ def _run(args, cwd, extra_env=None):
 
 def test_table_covers_every_script():
     scripts = {path.name for path in BENCHMARKS.glob("*.py")}
-    listed = set(SMOKE) | set(JAX_ONLY) | LIBRARIES | set(PENDING)
+    listed = set(SMOKE) | set(EVERY_BACKEND) | set(JAX_ONLY) | LIBRARIES
     assert scripts == listed
 
 
@@ -103,6 +116,16 @@ def test_script_runs_in_tiny_mode(name, tmp_path):
         assert document["format"] == "kmp-benchmark-results/1"
 
 
+@pytest.mark.parametrize("name", sorted(EVERY_BACKEND))
+def test_script_runs_on_this_backend(name, tmp_path):
+    args, expected = EVERY_BACKEND[name]
+    backend = {"KERAS_BACKEND": keras.backend.backend()}
+    _smoke(name, args, expected, tmp_path, backend)
+    document = json.loads((tmp_path / "step_costs.json").read_text())
+    assert document["backend"] == backend["KERAS_BACKEND"]
+    assert {r["optimizer"] for r in document["records"]} >= {"plain", "kmp"}
+
+
 @pytest.mark.jax
 @pytest.mark.parametrize("name", sorted(JAX_ONLY))
 def test_jax_script_runs_in_tiny_mode(name, tmp_path):
@@ -119,8 +142,3 @@ def test_library_imports(name, tmp_path):
     )
     result = _run(["-c", code], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-
-
-@pytest.mark.parametrize("name", sorted(PENDING))
-def test_pending(name):
-    pytest.skip(PENDING[name])
