@@ -19,11 +19,12 @@ and kernels dispatched, in all and those attributed to kmp's own code
 (`benchmarks/step_counting`), and the kernels of the compiled step (JAX's
 HLO; TensorFlow's graph ops, with `If`s); on JAX also the buffer copies of
 the compiled step (the state is donated, as `fit` and the example donate
-it: a copy is a weight or slot XLA could not update in place) and, timed
-after the counting with no counter installed, the step's time against
-plain Adam's in the same loop on the same model (`--time-steps 0` skips
-it). Then kmp's call sites, per step. Counts, not times, but for that
-ratio: the same on any machine for the same versions.
+it: a copy is a weight or slot XLA could not update in place); and, timed
+after the counting with no counter installed, on every backend, the
+step's time against plain Adam's in the same loop on the same model
+(GradScaler's against its own loop's `torch.optim.Adam`; `--time-steps 0`
+skips it). Then kmp's call sites, per step. Counts, not times, but for
+that ratio: the same on any machine for the same versions.
 
     python benchmarks/step_costs.py                 # TensorFlow
     KERAS_BACKEND=jax python benchmarks/step_costs.py
@@ -152,7 +153,7 @@ def print_table(backend, records):
             + compiled_summary(r["compiled"])
             + (
                 f"; time {1e3 * r['seconds_per_step']:.3f} ms"
-                f" = {r['time_ratio']:.2f} x plain"
+                f" = {r['time_ratio']:.2f} x {r['time_baseline']}"
                 if "time_ratio" in r
                 else ""
             )
@@ -196,17 +197,17 @@ def main(argv=None):
         "--time-steps",
         type=int,
         default=50,
-        help="JAX: steps per timed run (0: no timing)",
+        help="steps per timed run (0: no timing)",
     )
     parser.add_argument(
-        "--time-repeats", type=int, default=5, help="JAX: timed runs"
+        "--time-repeats", type=int, default=5, help="timed runs"
     )
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     backend = keras.backend.backend()
     counter = step_counting.counter(backend)
     records = []
-    timed = backend == "jax" and args.time_steps > 0
+    timed = args.time_steps > 0
     steps = [] if timed else None
     with counter:
         loops = args.loops.split(",") if args.loops else None

@@ -108,6 +108,10 @@ class Step:
 
         return step
 
+    def wait(self):
+        """Waits until the device has finished the steps run so far."""
+        jax.block_until_ready(self.state)
+
     def compiled(self):
         """`compiled.hlo_kernels` of the step, as XLA compiles it here."""
         return compiled.hlo_kernels(self.hlo_text())

@@ -71,6 +71,11 @@ class Step:
 
         return train_step
 
+    def wait(self):
+        """Waits until the steps run so far have finished (a weight's
+        value, read on the host, is the last step's)."""
+        self.model.trainable_variables[0].numpy()
+
     def compiled(self):
         """`compiled.tf_graph_ops` of the step (Keras's `train_step` for
         `fit`), plus `hlo` when it is XLA-compiled."""

@@ -1,8 +1,9 @@
-"""The time of one training step, against plain Adam's (JAX).
+"""The time of one training step, against plain Adam's, on every backend.
 
-`seconds_per_step(steps)` runs each `step.run()` (`jax_steps.Step`:
-`fit`'s train function or the donating jitted loop, with kmp's check after
-each step) `n` times in a row, waits for the last step's state, and keeps
+`seconds_per_step(steps)` runs each `step.run()` (a `Step` of
+`jax_steps`, `tf_steps` or `torch_steps`: `fit`'s train function or the
+backend's documented loop) `n` times in a row, waits for the last step
+(`step.wait()`: the device has finished it), and keeps
 the fastest of `repeats` such runs per step; the steps take turns within
 each repeat, so a busy spell of a shared CPU falls on all of them alike,
 and the fastest run is the least disturbed. Run with no counter installed
@@ -13,12 +14,10 @@ import time
 
 
 def _run(step, n) -> float:
-    import jax
-
     start = time.perf_counter()
     for _ in range(n):
         step.run()
-    jax.block_until_ready(step.state)
+    step.wait()
     return (time.perf_counter() - start) / n
 
 
@@ -34,15 +33,23 @@ def seconds_per_step(steps, n=50, repeats=5) -> list:
     return best
 
 
+# The step each kind is timed against: plain Adam in the same loop, and
+# for PyTorch's GradScaler its own loop's torch.optim.Adam.
+BASELINE = {"gradscaler": "torch-adam", "torch-adam": "torch-adam"}
+
+
 def add_ratios(records) -> None:
-    """Adds `"time_ratio"` (step time / plain Adam's in the same loop on
-    the same model) to every timed record of `records`."""
-    plain = {
-        (r["loop"], r["variables"]): r["seconds_per_step"]
+    """Adds `"time_ratio"` (step time / its baseline's in the same loop on
+    the same model: plain Adam's, or for GradScaler torch.optim.Adam's) to
+    every timed record of `records`."""
+    seconds = {
+        (r["optimizer"], r["loop"], r["variables"]): r["seconds_per_step"]
         for r in records
-        if r["optimizer"] == "plain" and r.get("seconds_per_step")
+        if r.get("seconds_per_step")
     }
     for r in records:
-        base = plain.get((r["loop"], r["variables"]))
+        baseline = BASELINE.get(r["optimizer"], "plain")
+        base = seconds.get((baseline, r["loop"], r["variables"]))
         if r.get("seconds_per_step") and base:
             r["time_ratio"] = r["seconds_per_step"] / base
+            r["time_baseline"] = baseline

@@ -53,6 +53,12 @@ class Step:
     def compiled(self):
         return None
 
+    def wait(self):
+        """Waits until the device has finished the steps run so far (on a
+        CPU they have: torch runs its kernels as they are called)."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
     def _fit(self):
         return self.model.train_function([(self.x, self.y)])
 

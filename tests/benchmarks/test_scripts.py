@@ -49,7 +49,7 @@ SMOKE = {
 # Scripts that run on every backend (here on the one the suite runs on).
 EVERY_BACKEND = {
     "step_costs.py": (
-        "--sizes 4 --steps 1 --time-steps 0 --loops loop"
+        "--sizes 4 --steps 1 --time-steps 2 --time-repeats 1 --loops loop"
         " --output {tmp}/step_costs.json".split(),
         "kmp's call sites",
     ),
