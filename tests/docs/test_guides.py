@@ -22,6 +22,8 @@ MIXED_PRECISION = pytest.mark.parametrize("script", ["mixed_precision.py"])
 PORTING = pytest.mark.parametrize("script", ["porting.py"])
 
 
+# The first test of a guide waits for it (up to ~20 s: a fresh interpreter
+# that imports TensorFlow and trains); each runs once for the module.
 @pytest.fixture(scope="module", autouse=True)
 def _start_guides(request):
     scripts.start_selected(request, FOLDER, SMALL)

@@ -50,6 +50,9 @@ def _environment(directory):
     )
 
 
+# Over 20 s (CONTRIBUTING.md): the first test waits for the guide and the
+# benchmark, each a fresh interpreter that imports TensorFlow and trains;
+# they run once for the whole module, side by side.
 @pytest.fixture(scope="module", autouse=True)
 def _start_scripts(tmp_path_factory):
     environment = _environment(tmp_path_factory.mktemp("bf16"))
