@@ -176,32 +176,26 @@ def fit(original, self, *args, **kwargs):
     once Keras has read the logs of the epoch. A `fit` that raises (for
     persistent skips, or anything else) drops the checks of its steps it
     had not read yet: no report crosses into a later call."""
-    try:
-        history = original(self, *args, **kwargs)
-        if _needs_skip_check(self):
-            self.optimizer.check_persistent_skips_now()
-    finally:
-        _drop_unread_checks(self)
-    return history
+    return _checked_at_the_end(original, self, *args, **kwargs)
 
 
 def train_on_batch(original, self, *args, **kwargs):
     """Keras's `train_on_batch`, which reads its logs anyway: the step is
     checked at once (see `fit`)."""
+    return _checked_at_the_end(original, self, *args, **kwargs)
+
+
+def _checked_at_the_end(original, model, *args, **kwargs):
+    """`original(model, ...)`, then the persistent-skips check of every
+    step it left unread; the unread ones are dropped however it ends."""
     try:
-        logs = original(self, *args, **kwargs)
-        if _needs_skip_check(self):
-            self.optimizer.check_persistent_skips_now()
+        result = original(model, *args, **kwargs)
+        if _needs_skip_check(model):
+            model.optimizer.check_persistent_skips_now()
+        return result
     finally:
-        _drop_unread_checks(self)
-    return logs
-
-
-def _drop_unread_checks(model) -> None:
-    """Forgets the lagged checks of `model`'s kmp optimizer (those of the
-    call that ends; after `check_persistent_skips_now` there are none)."""
-    if _needs_skip_check(model):
-        model.optimizer._discard_pending_skip_checks()
+        if _needs_skip_check(model):
+            model.optimizer._discard_pending_skip_checks()
 
 
 def train_step(original, self, data):

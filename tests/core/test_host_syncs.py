@@ -13,38 +13,18 @@ reads and uploads, and attributes kmp's reads to kmp, so a 0 is not a
 blind spot. Nothing is timed.
 """
 
-import importlib.util
-import pathlib
-import sys
-
 import keras
 import pytest
 
 import kmp
 from tests.conftest import BACKEND
+from tests.support import step_counting as step_counting_loader
 
 # With -n: one worker runs this module: the step counter is installed once.
 pytestmark = pytest.mark.xdist_group("host_syncs")
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "benchmarks" / "step_counting"
 
-
-def _load_step_counting():
-    if "step_counting" in sys.modules:
-        return sys.modules["step_counting"]
-    spec = importlib.util.spec_from_file_location(
-        "step_counting",
-        PACKAGE / "__init__.py",
-        submodule_search_locations=[str(PACKAGE)],
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["step_counting"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-step_counting = _load_step_counting()
+step_counting = step_counting_loader.load()
 
 STEPS = 3
 # What kmp's own code may read from or upload to the device per step.

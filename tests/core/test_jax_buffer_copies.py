@@ -17,44 +17,21 @@ conditionals; `copy-start` counts as one, `copy-done` does not): kmp's
 must be no more than Keras's own optimizer's.
 """
 
-import importlib.util
-import pathlib
-import sys
-
 import keras
 import pytest
 
 import kmp
+from tests.support import step_counting as step_counting_loader
 
 pytestmark = pytest.mark.jax
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "benchmarks" / "step_counting"
 LAYERS = 20  # 40 variables: a copy per variable would show as dozens.
 OPTIMIZERS = ("plain", "keras", "kmp")
 
 
-def _step_counting():
-    """`benchmarks/step_counting`, loaded as `tests/core/test_host_syncs`
-    loads it (with its `compiled` module)."""
-    if "step_counting" in sys.modules:
-        importlib.import_module("step_counting.compiled")
-        return sys.modules["step_counting"]
-    spec = importlib.util.spec_from_file_location(
-        "step_counting",
-        PACKAGE / "__init__.py",
-        submodule_search_locations=[str(PACKAGE)],
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["step_counting"] = module
-    spec.loader.exec_module(module)
-    importlib.import_module("step_counting.compiled")
-    return module
-
-
 def copies_per_optimizer(loop):
     """`{optimizer: buffer copies}` of the compiled step of `loop`."""
-    step_counting = _step_counting()
+    step_counting = step_counting_loader.load()
     compiled = step_counting.compiled
     counts = {}
     for kind in OPTIMIZERS:
@@ -69,7 +46,7 @@ def copies_per_optimizer(loop):
 
 
 def test_copies_are_counted_outside_fusions_and_in_branches():
-    compiled = _step_counting().compiled
+    compiled = step_counting_loader.load().compiled
     text = """HloModule m
 
 %fused (p: f32[4]) -> f32[4] {
@@ -120,8 +97,8 @@ def test_fit_keeping_batch_statistics_copies_no_more_than_keras():
     costs no copy (a `lax.cond` would copy each statistic)."""
     import jax
 
-    compiled = _step_counting().compiled
-    models = sys.modules["step_counting.models"]
+    compiled = step_counting_loader.load().compiled
+    models = step_counting_loader.load().models
     x, y = models.data()
     counts = {}
     for kind in OPTIMIZERS:
