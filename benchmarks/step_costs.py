@@ -63,14 +63,25 @@ KINDS = step_counting.KINDS
 
 
 def optimizers(backend):
-    extra = ("torch-adam", "gradscaler") if backend == "torch" else ()
+    extra = ()
+    if backend == "torch":
+        extra = models.TORCH_KMP_OPTIMIZERS + TORCH_LOOP_ONLY
     return models.OPTIMIZERS + extra
+
+
+# torch's own optimizers: a loop of torch's, no fit.
+TORCH_LOOP_ONLY = (
+    "torch-adam",
+    "gradscaler",
+    "torch-adam-fused",
+    "gradscaler-fused",
+)
 
 
 def configurations(backend, sizes, loops=None, kinds=None):
     for loop in loops or models.loops(backend):
         for kind in kinds or optimizers(backend):
-            if loop != "loop" and kind in ("torch-adam", "gradscaler"):
+            if loop != "loop" and kind in TORCH_LOOP_ONLY:
                 continue
             for size in sizes:
                 yield loop, kind, size
@@ -189,7 +200,8 @@ def main(argv=None):
     parser.add_argument(
         "--optimizers",
         default=None,
-        help="plain, keras, kmp (torch-adam, gradscaler), comma-separated",
+        help="plain, keras, kmp (on torch also kmp-fused, torch-adam, "
+        "gradscaler, torch-adam-fused, gradscaler-fused), comma-separated",
     )
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--output", default=None, help="the JSON file to write")

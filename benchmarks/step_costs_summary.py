@@ -27,7 +27,11 @@ SERIES = {
     "kmp": "kmp now",
     "keras": "Keras LossScaleOptimizer",
     "gradscaler": "PyTorch GradScaler",
+    "kmp-fused": "kmp, kmp.FusedAdam (torch)",
+    "gradscaler-fused": "GradScaler, Adam(fused=True)",
 }
+# What each series' kernels are counted against.
+PLAIN = {"gradscaler": "torch-adam", "gradscaler-fused": "torch-adam-fused"}
 
 
 def _records(path):
@@ -93,10 +97,9 @@ def main():
             + ", ".join(f"{k} {v}" for k, v in sorted(versions.items()))
         )
         for (loop, optimizer, size), record in sorted(now.items()):
-            name = {"kmp": "kmp", "keras": "keras", "gradscaler": "gradscaler"}
-            if optimizer not in name:
+            if optimizer not in SERIES:
                 continue
-            plain = "torch-adam" if optimizer == "gradscaler" else "plain"
+            plain = PLAIN.get(optimizer, "plain")
             base = _kernels(now[(loop, plain, size)])
             group = f"{backend}, {loop}, {size} variables"
             rows = [(optimizer, record)]

@@ -21,11 +21,25 @@ from kmp.tools.summary import summary
 
 if _backend.is_tensorflow():
     from kmp.core.tensorflow.fused import FusedAdam
+elif _backend.is_torch():
+    from kmp.core.torch.fused import FusedAdam
 else:
     FusedAdam = _backend.tensorflow_only_class(
         "kmp.FusedAdam",
-        "Use keras.optimizers.Adam: under jit (JAX) or torch.compile its "
-        "update is fused already.",
+        "Use keras.optimizers.Adam: under jit its update is fused already.",
+        needs="TensorFlow or torch",
+    )
+if _backend.is_torch():
+    from kmp.core.torch.fused import FusedAdamW
+    from kmp.core.torch.fused import FusedSGD
+else:
+    _ALTERNATIVE = "Use keras.optimizers.{}: its update is fused by {}."
+    _COMPILER = "XLA" if _backend.is_jax() else "XLA (jit_compile=True)"
+    FusedAdamW = _backend.tensorflow_only_class(
+        "kmp.FusedAdamW", _ALTERNATIVE.format("AdamW", _COMPILER), "torch"
+    )
+    FusedSGD = _backend.tensorflow_only_class(
+        "kmp.FusedSGD", _ALTERNATIVE.format("SGD", _COMPILER), "torch"
     )
 
 __version__ = "0.2.0"
@@ -35,6 +49,8 @@ patches.install_at_import()
 __all__ = [
     "AuditReport",
     "FusedAdam",
+    "FusedAdamW",
+    "FusedSGD",
     "LossScaleOptimizer",
     "LowPrecisionOptimizer",
     "Policy",

@@ -16,7 +16,14 @@ from kmp import mixed_precision
 from kmp import testing
 
 # kmp's classes: `isinstance(x, kmp.<name>)` works on every backend.
-CLASSES = ("FusedAdam", "LossScaleOptimizer", "LowPrecisionOptimizer", "Policy")
+CLASSES = (
+    "FusedAdam",
+    "FusedAdamW",
+    "FusedSGD",
+    "LossScaleOptimizer",
+    "LowPrecisionOptimizer",
+    "Policy",
+)
 PUBLIC_NAMES = (
     "LossScaleOptimizer",
     "Policy",
@@ -57,7 +64,8 @@ def test_mixed_precision_reexports_the_same_object(name):
 def test_all_lists_the_public_names():
     assert set(PUBLIC_NAMES) <= set(kmp.__all__)
     tools = {"__version__", "audit", "AuditReport", "callbacks", "convert"}
-    tools |= {"FusedAdam", "LowPrecisionOptimizer", "mixed_precision"}
+    tools |= {"FusedAdam", "FusedAdamW", "FusedSGD"}
+    tools |= {"LowPrecisionOptimizer", "mixed_precision"}
     tools |= {"patches", "summary"}
     assert set(kmp.__all__) - set(PUBLIC_NAMES) == tools
     # TensorFlow 2.1-2.3's names live in `experimental`, as they did there.
@@ -112,9 +120,18 @@ def test_every_class_is_a_class_on_every_backend(name):
 
 
 @pytest.mark.jax
-@pytest.mark.torch
-def test_fused_adam_off_tensorflow_says_what_to_use():
+def test_fused_adam_on_jax_says_what_to_use():
     with pytest.raises(RuntimeError) as info:
         kmp.FusedAdam(0.01)
-    assert "needs Keras's TensorFlow backend" in str(info.value)
+    assert "needs Keras's TensorFlow or torch backend" in str(info.value)
     assert "keras.optimizers.Adam" in str(info.value)
+
+
+@pytest.mark.jax
+@pytest.mark.tensorflow
+@pytest.mark.parametrize("name", ["FusedAdamW", "FusedSGD"])
+def test_torchs_fused_optimizers_elsewhere_say_what_to_use(name):
+    with pytest.raises(RuntimeError) as info:
+        getattr(kmp, name)(0.01)
+    assert "needs Keras's torch backend" in str(info.value)
+    assert f"keras.optimizers.{name[5:]}" in str(info.value)

@@ -13,6 +13,8 @@ import kmp
 
 SIZES = (4, 22, 202)
 OPTIMIZERS = ("plain", "keras", "kmp")
+# On torch also kmp's with a fused inner optimizer (`kmp.FusedAdam`).
+TORCH_KMP_OPTIMIZERS = ("kmp-fused",)
 LOOPS = ("fit", "loop")
 # On TensorFlow also `fit` compiled by XLA, as Keras compiles it by default
 # on a GPU ("auto" is plain TensorFlow on a CPU-only machine).
@@ -51,7 +53,8 @@ def build_model(n_variables: int) -> keras.Model:
 
 def make_optimizer(kind: str):
     """Adam (`"plain"`), in Keras's (`"keras"`) or kmp's (`"kmp"`)
-    dynamic `LossScaleOptimizer`, with their defaults.
+    dynamic `LossScaleOptimizer`, with their defaults; on torch
+    `"kmp-fused"`: `kmp.FusedAdam` in kmp's.
 
     Raises:
         ValueError: an unknown kind.
@@ -63,6 +66,8 @@ def make_optimizer(kind: str):
         return keras.optimizers.LossScaleOptimizer(adam)
     if kind == "kmp":
         return kmp.LossScaleOptimizer(adam)
+    if kind == "kmp-fused":
+        return kmp.LossScaleOptimizer(kmp.FusedAdam(1e-3))
     raise ValueError(
         f"'kind' must be one of {OPTIMIZERS}. Received: kind={kind!r}"
     )

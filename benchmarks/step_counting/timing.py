@@ -35,7 +35,12 @@ def seconds_per_step(steps, n=50, repeats=5) -> list:
 
 # The step each kind is timed against: plain Adam in the same loop, and
 # for PyTorch's GradScaler its own loop's torch.optim.Adam.
-BASELINE = {"gradscaler": "torch-adam", "torch-adam": "torch-adam"}
+BASELINE = {
+    "gradscaler": "torch-adam",
+    "torch-adam": "torch-adam",
+    "gradscaler-fused": "torch-adam-fused",
+    "torch-adam-fused": "torch-adam-fused",
+}
 
 
 def add_ratios(records) -> None:

@@ -7,7 +7,10 @@
   `backward` and `apply`;
 - `gradscaler`, `torch-adam` (loop only): a torch loop over the Keras
   model's parameters with `torch.optim.Adam`, with and without
-  `torch.amp.GradScaler("cpu")` (`scale`, `backward`, `step`, `update`).
+  `torch.amp.GradScaler("cpu")` (`scale`, `backward`, `step`, `update`);
+  `torch-adam-fused`, `gradscaler-fused`: the same with
+  `torch.optim.Adam(fused=True)`, which skips inside its kernel;
+- `kmp-fused`: kmp's with `kmp.FusedAdam` inside (`fit` and `loop`).
 """
 
 import keras
@@ -15,7 +18,12 @@ import torch
 
 from . import models
 
-TORCH_OPTIMIZERS = ("torch-adam", "gradscaler")
+TORCH_OPTIMIZERS = (
+    "torch-adam",
+    "gradscaler",
+    "torch-adam-fused",
+    "gradscaler-fused",
+)
 
 
 class Step:
@@ -37,9 +45,11 @@ class Step:
         elif kind in TORCH_OPTIMIZERS:
             self.model = models.build_model(n_variables)
             params = list(self.model.parameters())
-            self.optimizer = torch.optim.Adam(params, lr=1e-3)
+            self.optimizer = torch.optim.Adam(
+                params, lr=1e-3, fused=kind.endswith("fused")
+            )
             self.scaler = None
-            if kind == "gradscaler":
+            if kind.startswith("gradscaler"):
                 self.scaler = torch.amp.GradScaler("cpu")
             self.loss_fn = keras.losses.MeanSquaredError()
             self.run = self._torch_loop
@@ -67,7 +77,7 @@ class Step:
         weights = model.trainable_variables
         loss = self.loss_fn(self.y, model(self.x, training=True))
         model.zero_grad()
-        if self.kind == "kmp":
+        if self.kind.startswith("kmp"):
             optimizer.get_scaled_loss(loss).backward()
             scaled_grads = [w.value.grad for w in weights]
             grads = optimizer.get_unscaled_gradients(scaled_grads)

@@ -93,9 +93,11 @@ def tensorflow_version():
     return version_tuple(tensorflow().__version__)
 
 
-def _unavailable_error(what: str, alternative: str) -> RuntimeError:
+def _unavailable_error(
+    what: str, alternative: str, needs: str = "TensorFlow"
+) -> RuntimeError:
     return RuntimeError(
-        f"{what} needs Keras's TensorFlow backend; Keras runs on "
+        f"{what} needs Keras's {needs} backend; Keras runs on "
         f"{name()!r}. {alternative}".strip()
     )
 
@@ -114,8 +116,11 @@ def tensorflow_only(what: str, alternative: str = ""):
     return unavailable
 
 
-def tensorflow_only_class(what: str, alternative: str = "") -> type:
-    """A stand-in for a TensorFlow-only kmp class on another backend.
+def tensorflow_only_class(
+    what: str, alternative: str = "", needs: str = "TensorFlow"
+) -> type:
+    """A stand-in for a TensorFlow-only kmp class on another backend
+    (`needs` names the backends it has, if more).
 
     A class, so `isinstance(x, kmp.Name)` works (and is False) everywhere;
     creating one raises a RuntimeError that says what to use instead.
@@ -126,14 +131,14 @@ def tensorflow_only_class(what: str, alternative: str = "") -> type:
     """
 
     def __new__(cls, *args, **kwargs):
-        raise _unavailable_error(what, alternative)
+        raise _unavailable_error(what, alternative, needs)
 
     return type(
         what.rsplit(".", 1)[-1],
         (),
         {
             "__new__": __new__,
-            "__doc__": f"{what}: TensorFlow backend only. {alternative}",
+            "__doc__": f"{what}: {needs} backend only. {alternative}",
             "__module__": what.rsplit(".", 1)[0],
         },
     )

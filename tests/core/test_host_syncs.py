@@ -145,3 +145,34 @@ def test_kmp_kernels_do_not_grow_with_the_variables(counter, loop):
         f"kmp's kernels per step beyond Adam's, by number of variables, in "
         f"{loop}: {extra}"
     )
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("loop", ["fit", "loop"])
+def test_kmp_step_with_a_fused_optimizer_reads_nothing_on_torch(counter, loop):
+    # kmp.FusedAdam skips inside its kernel: no read at all, where
+    # GradScaler with torch's fused Adam reads found_inf once per step.
+    counts = _kmp_step_counts(counter, loop, kind="kmp-fused")
+    assert counts.skipped_steps == 0
+    reads = counts.total("read", owner="kmp")
+    uploads = counts.total("upload", owner="kmp")
+    assert reads + uploads == 0, _listing(counts)
+    assert counts.per_step("late_read", STEPS, owner="kmp") <= 1
+
+
+@pytest.mark.torch
+def test_gradscaler_reads_once_per_step_but_not_with_torchs_fused_adam(
+    counter,
+):
+    # The peers kmp's fused path is measured against: GradScaler reads
+    # found_inf (and more, on the CPU) every step, but not with
+    # torch.optim.Adam(fused=True), which skips in its kernel. The counter
+    # sees the reads, so the 0s of kmp's fused path and of the fused peer
+    # are not a blind spot.
+    kmp.set_global_policy("mixed_float16")
+    reads = {}
+    for kind in ("gradscaler", "gradscaler-fused"):
+        step = step_counting.make_step(kind, "loop", 4)
+        counts = step_counting.measure(counter, step, steps=STEPS)
+        reads[kind] = counts.per_step("read", STEPS)
+    assert reads["gradscaler"] >= 1 and reads["gradscaler-fused"] == 0, reads

@@ -17,7 +17,8 @@ finished it:
   `check_persistent_skips_now`).
 
 On torch the step reads the device once anyway (to apply or skip), and
-its report needs no lag (`kmp.core.torch.step`).
+its report needs no lag (`kmp.core.torch.step`), except with a fused
+optimizer, whose step reads nothing: its numbers come as a `HostCopy`.
 """
 
 import collections
@@ -111,5 +112,8 @@ class LaggedChecks:
 
 
 def _read(packed):
+    wait = getattr(packed, "wait", None)
+    if wait is not None:
+        packed = wait()  # torch's copy (kmp.core.torch.step.HostCopy).
     in_a_row, scale = np.asarray(packed).tolist()
     return int(in_a_row), float(scale)

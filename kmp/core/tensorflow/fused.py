@@ -65,9 +65,9 @@ class FusedAdam(keras.optimizers.Adam):
     kept as Python floats (a `Fraction` or `Decimal` too), as Adam keeps
     them, so the config serializes.
 
-    TensorFlow backend only: elsewhere `kmp.FusedAdam` is a class whose
-    construction raises a RuntimeError saying to use
-    `keras.optimizers.Adam`, whose update jit (JAX) or `torch.compile`
+    On torch `kmp.FusedAdam` is `kmp.core.torch.fused.FusedAdam`
+    (PyTorch's fused kernel); on JAX a class whose construction raises a
+    RuntimeError saying to use `keras.optimizers.Adam`, whose update jit
     fuses already.
 
     Args:

@@ -44,11 +44,12 @@ def apply_update(optimizer, grads, variables):
 def _per_variable_update_step(optimizer_class):
     """The `_backend_update_step` of `optimizer_class` that calls
     `update_step` for each variable: the first in its method resolution
-    order that is not Keras's torch-specific (fused) one."""
+    order that is not a fused one (Keras's torch-specific `_foreach` ones,
+    `kmp.core.torch.fused`'s kernels)."""
     for klass in optimizer_class.__mro__:
         method = vars(klass).get("_backend_update_step")
         if method is not None and not klass.__module__.startswith(
-            "keras.src.backend.torch"
+            ("keras.src.backend.torch", "kmp.core.torch.fused")
         ):
             return method
     raise TypeError(

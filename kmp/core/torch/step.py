@@ -23,6 +23,14 @@ gradient was inf/NaN) and keeps everything else there; so does this step:
 
 The kernels a step adds do not grow with the number of variables: the
 division and the check are one `torch._foreach_*` op each per dtype.
+
+With a fused inner optimizer (`kmp.core.torch.fused`: `kmp.FusedAdam`,
+`FusedAdamW`, `FusedSGD`) the step reads nothing (`apply_fused`): the
+scale and a "found inf" flag go into the optimizer's kernel, which divides
+the gradients itself and leaves everything as it was when the flag is set,
+as PyTorch's fused optimizers under `GradScaler` do; the iteration count
+and the loss-scale state are updated on the device, and the
+persistent-skips check reads a step late (`kmp.core.step.lagged`).
 """
 
 import torch
@@ -30,7 +38,9 @@ import torch
 from kmp.core import checks
 from kmp.core import scaling
 from kmp.core.step import common
+from kmp.core.step import lagged
 from kmp.core.torch import distributed
+from kmp.core.torch import fused
 
 _WIDE = (torch.float32, torch.float64)
 
@@ -89,6 +99,9 @@ def _per_gradient(grads, flags):
 
 def apply(optimizer, grads, variables, scaled: bool) -> None:
     """A whole step on torch; see the module docstring."""
+    if can_fuse(optimizer, grads, variables):
+        apply_fused(optimizer, grads, variables, scaled)
+        return
     scale = optimizer.dynamic_scale.value
     if scaled:
         keep = {
@@ -131,6 +144,98 @@ def apply(optimizer, grads, variables, scaled: bool) -> None:
             )
 
 
+def can_fuse(optimizer, grads, variables) -> bool:
+    """Whether the step can skip inside a fused kernel (`apply_fused`):
+    a built `kmp.core.torch.fused` optimizer with nothing else of Keras's
+    `apply` to do (clipping, EMA, accumulation, variables overwritten by
+    their gradient, missing gradients), no per-gradient record or kept
+    state to put back, and a scale that stays >= 1 (dividing a finite
+    gradient by it stays finite, so checking the scaled gradients is
+    checking the unscaled ones)."""
+    inner = optimizer.inner_optimizer
+    if not isinstance(inner, fused.FusedMixin) or not inner.built:
+        return False
+    rule = optimizer.rule
+    floor = rule.min_scale if rule is not None else optimizer.initial_scale
+    return (
+        floor >= 1
+        and not optimizer._record_nonfinite
+        and optimizer._kept_states.current() is None
+        and all(torch.is_tensor(g) for g in grads)
+        and not any(
+            optimizer._overwrite_variable_with_gradient(v) for v in variables
+        )
+        and not (inner.clipnorm or inner.clipvalue or inner.global_clipnorm)
+        and not inner.use_ema
+        and not inner.gradient_accumulation_steps
+        and not getattr(inner, "loss_scale_factor", None)
+    )
+
+
+@torch.no_grad()
+def apply_fused(optimizer, grads, variables, scaled: bool) -> None:
+    """A step that reads nothing from the device (see the module
+    docstring); the gradients, if scaled, are divided in place."""
+    flags = finite_flags(grads)
+    finite = flags.all()
+    apply_ok = finite
+    rate = common.current_learning_rate(optimizer.inner_optimizer)
+    rate = getattr(rate, "value", rate)
+    if torch.is_tensor(rate):
+        apply_ok = torch.logical_and(finite, torch.isfinite(rate).all())
+    elif not checks.is_finite_number(rate):
+        apply_ok = torch.zeros_like(finite)
+    finite, apply_ok, _ = distributed.agree(finite, apply_ok, None, optimizer)
+    found_inf = torch.logical_not(apply_ok).to(torch.float32)
+    inner = optimizer.inner_optimizer
+    scale = optimizer.dynamic_scale.value
+    inner.fused_update(
+        grads,
+        variables,
+        grad_scale=scale if scaled else None,
+        found_inf=found_inf,
+    )
+    fused.increment_iterations(inner, found_inf)
+    skipped = torch.logical_not(apply_ok)
+    optimizer.skipped_steps_variable.value.add_(skipped)
+    in_a_row = optimizer.consecutive_skips_variable.value
+    in_a_row.add_(1).mul_(skipped)
+    if optimizer.dynamic:
+        _next_scale(optimizer, finite)
+    if optimizer._max_consecutive_skips is not None:
+        packed = lagged.pack(in_a_row, optimizer.dynamic_scale.value)
+        optimizer._check_persistent_skips_packed(HostCopy(packed))
+
+
+class HostCopy:
+    """A small tensor's copy to the host, started now, read later (what
+    `kmp.core.step.lagged` keeps): on CUDA into pinned memory without
+    waiting, with an event to wait for when it is read."""
+
+    def __init__(self, tensor):
+        self._tensor = tensor
+        self._event = None
+
+    def copy_to_host_async(self) -> None:
+        tensor = self._tensor
+        if tensor.is_cuda:
+            host = torch.empty(
+                tensor.shape, dtype=tensor.dtype, pin_memory=True
+            )
+            host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            self._tensor = host
+        else:
+            self._tensor = tensor.detach().clone()
+
+    def wait(self):
+        """The copy on the host, once it has arrived (waits for it)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._tensor
+
+
 @torch.no_grad()
 def update_state(optimizer, finite, applied: bool, per_gradient, variables):
     """`StateMixin.update_state` in place on the device, knowing in Python
@@ -156,13 +261,17 @@ def update_state(optimizer, finite, applied: bool, per_gradient, variables):
     # The rule of kmp.core.loss_scale, in place: an applied step is finite,
     # which the host knows (read already); a skipped one may be too (a NaN
     # learning rate).
+    _next_scale(optimizer, True if applied else finite)
+
+
+def _next_scale(optimizer, finite) -> None:
+    """Assigns `ScaleRule.next` of the state in place (`finite`: a bool or
+    a bool 0-d tensor)."""
     scale = optimizer.dynamic_scale.value
     counter = optimizer.step_counter.value
     hysteresis_left = optimizer.hysteresis_left.value
     new = optimizer.rule.next(
-        (scale, counter, hysteresis_left),
-        True if applied else finite,
-        xp=TorchOps,
+        (scale, counter, hysteresis_left), finite, xp=TorchOps
     )
     for variable, value in zip((scale, counter, hysteresis_left), new):
         variable.copy_(value)
