@@ -51,7 +51,6 @@ ulps over ten thousand identical ones; stochastic rounding is unbiased, but
 each weight's error is a random walk (about sqrt(steps * update / ulp) ulps).
 """
 
-import numbers
 import random
 
 import keras
@@ -60,8 +59,10 @@ from keras import ops
 from kmp.core import backend
 from kmp.core import borrow
 from kmp.core import checks
+from kmp.core import low_precision_arguments as arguments
 from kmp.core import optimizer_arguments
 from kmp.core import rounding
+from kmp.core import slots_8bit
 
 # This backend's step (`apply_update`, `update_variable`, `view`) and random
 # stream: the one place `LowPrecisionOptimizer` picks a backend.
@@ -75,69 +76,10 @@ else:
     from kmp.core.torch import low_precision as _steps
     from kmp.core.torch import rounding as _stream_module
 
-ROUNDINGS = ("kahan", "stochastic", "nearest")
-SLOT_DTYPES = ("bfloat16", "float16", "float32")
-_MAX_SEED = 2**63 - 1
-# Not supported with the inner optimizer, and why: what `convert` says too.
-UNSUPPORTED_INNER_OPTIONS = (
-    ("use_ema", "the average would round like the weights"),
-    ("gradient_accumulation_steps", "the sums would round too"),
-    ("loss_scale_factor", "wrap in kmp.LossScaleOptimizer instead"),
-)
-
-
-def _refuse(error, argument, allowed, value):
-    received = checks.describe(value) if error is TypeError else repr(value)
-    raise error(
-        f"'{argument}' must be {allowed}. Received: {argument}={received}"
-    )
-
-
-def _check_arguments(inner, rounding, slot_dtype, seed):
-    """Validates the constructor's arguments; changes nothing."""
-    if isinstance(
-        inner, (keras.optimizers.LossScaleOptimizer, LowPrecisionOptimizer)
-    ):
-        allowed = (
-            "a plain Keras optimizer; for loss scaling wrap the other way "
-            "round: kmp.LossScaleOptimizer(kmp.LowPrecisionOptimizer(...))"
-        )
-        _refuse(TypeError, "inner_optimizer", allowed, inner)
-    if not isinstance(inner, keras.optimizers.Optimizer):
-        allowed = "a Keras optimizer instance, such as keras.optimizers.Adam()"
-        _refuse(TypeError, "inner_optimizer", allowed, inner)
-    for attribute, why in UNSUPPORTED_INNER_OPTIONS:
-        if getattr(inner, attribute, None):
-            allowed = f"unset in 'inner_optimizer' ({why})"
-            _refuse(ValueError, attribute, allowed, getattr(inner, attribute))
-    if inner.built:
-        raise ValueError(
-            "'inner_optimizer' must not be built yet: LowPrecisionOptimizer "
-            f"builds it, with its slots in slot_dtype. Received: {inner.name!r}"
-            f", built on {len(inner._trainable_variables)} variables"
-        )
-    for argument, value, choices in (
-        ("rounding", rounding, ROUNDINGS),
-        ("slot_dtype", slot_dtype, (None, *SLOT_DTYPES)),
-    ):
-        allowed = "one of " + ", ".join(map(repr, choices))
-        if value is not None and not isinstance(value, str):
-            _refuse(TypeError, argument, allowed, value)
-        if value not in choices:
-            _refuse(ValueError, argument, allowed, value)
-    check_seed(seed)
-
-
-def check_seed(seed) -> None:
-    """Refuses a seed that is not None or an integer in [0, 2**63 - 1]
-    (NumPy's integers are integers)."""
-    allowed = "None or an integer in [0, 2**63 - 1]"
-    if seed is not None and (
-        isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
-    ):
-        _refuse(TypeError, "seed", allowed, seed)
-    if seed is not None and not 0 <= seed <= _MAX_SEED:
-        _refuse(ValueError, "seed", allowed, seed)
+ROUNDINGS = arguments.ROUNDINGS
+SLOT_DTYPES = arguments.SLOT_DTYPES
+UNSUPPORTED_INNER_OPTIONS = arguments.UNSUPPORTED_INNER_OPTIONS
+check_seed = arguments.check_seed
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -171,7 +113,16 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             float16 slots falls well short of float32's accuracy.
             `"bfloat16"` halves those slots (float32's range, 8
             significant bits); `"float16"` is for optimizers whose slots
-            hold no squares (SGD's momentum), if at all.
+            hold no squares (SGD's momentum), if at all. `"8bit"`: the
+            moments of Adam, AdamW, Lion and SGD's momentum in one byte
+            per element plus a float32 scale per block
+            (`kmp.core.quantization`), for variables of `min_8bit_size`
+            elements or more; other slots as with None.
+        block_size: With `"8bit"`: elements per scale (default 256).
+        min_8bit_size: With `"8bit"`: the smallest variable whose slots
+            are 8-bit, in elements (default 4096).
+        exclude_from_8bit: With `"8bit"`: regular expressions; the slots
+            of a variable whose path one matches keep their dtype.
         seed: The stochastic-rounding seed, an integer in [0, 2**63 - 1]
             (NumPy's too); None draws one from Python's `random` (seeded by
             `keras.utils.set_random_seed`), which the config then holds.
@@ -210,9 +161,21 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         slot_dtype=None,
         seed=None,
         name=None,
+        block_size=None,
+        min_8bit_size=None,
+        exclude_from_8bit=None,
     ):
         backend.check_supported("kmp.LowPrecisionOptimizer")
-        _check_arguments(inner_optimizer, rounding, slot_dtype, seed)
+        plan = arguments.check_arguments(
+            type(self),
+            inner_optimizer,
+            rounding,
+            slot_dtype,
+            seed,
+            block_size=block_size,
+            min_8bit_size=min_8bit_size,
+            exclude=exclude_from_8bit,
+        )
         super().__init__(learning_rate=0.0, name=name)
         self._inner_optimizer = inner_optimizer
         self._rounding = rounding
@@ -228,8 +191,10 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
                 name="seed",
             )
         self._compensations = []
-        # Run-time cache, not state: past Keras's tracking.
+        # Run-time caches, not state: past Keras's tracking.
         object.__setattr__(self, "_compiled", {})
+        object.__setattr__(self, "_plan", plan)
+        object.__setattr__(self, "_located", {})
 
     @property
     def inner_optimizer(self) -> keras.optimizers.Optimizer:
@@ -245,6 +210,11 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
     def slot_dtype(self):
         """The inner optimizer's slot dtype, or None for each variable's."""
         return self._slot_dtype
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any slot is 8-bit (`slot_dtype="8bit"`, once built)."""
+        return bool(self._located)
 
     @property
     def seed(self) -> int:
@@ -294,8 +264,12 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
     def _build_inner(self, var_list):
         inner = self._inner_optimizer
         slot_dtype = self._slot_dtype
-        if slot_dtype is None and not any(
-            _is_float16(variable.dtype) for variable in var_list
+        if slot_dtype == slots_8bit.SLOT_DTYPE:
+            slot_dtype = None
+        if (
+            self._plan is None
+            and slot_dtype is None
+            and not any(_is_float16(variable.dtype) for variable in var_list)
         ):
             inner.build(var_list)
             return
@@ -310,8 +284,15 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
                 dtype = slot_dtype
             return original(shape, initializer, dtype, **kwargs)
 
-        with borrow.lent(inner, add_variable=add_variable):
+        lent = {"add_variable": add_variable}
+        slots = []
+        if self._plan is not None:
+            lent["add_variable_from_reference"] = slots_8bit.lent_builder(
+                self._plan, inner, slots
+            )
+        with borrow.lent(inner, **lent):
             inner.build(var_list)
+        object.__setattr__(self, "_located", slots_8bit.locate(inner, slots))
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
@@ -374,7 +355,9 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             "float32" if low else rounding.dtype_name(variable.dtype),
         )
         self._decay(view, model_variable, learning_rate)
-        type(inner).update_step(inner, gradient, view, learning_rate)
+        with slots_8bit.views(self._located, index, _steps.slot_view) as pairs:
+            type(inner).update_step(inner, gradient, view, learning_rate)
+        slots_8bit.write_back(self, pairs)
         if not view.written:
             return
         value = view.value
@@ -453,6 +436,17 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             "rounding": self._rounding,
             "slot_dtype": self._slot_dtype,
             "seed": self.seed,
+            **self._eight_bit_config(),
+        }
+
+    def _eight_bit_config(self) -> dict:
+        plan = self._plan
+        if plan is None:
+            return {}
+        return {
+            "block_size": plan.block_size,
+            "min_8bit_size": plan.min_size,
+            "exclude_from_8bit": list(plan.exclude),
         }
 
     @classmethod

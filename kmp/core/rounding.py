@@ -33,8 +33,11 @@ def dtype_name(dtype) -> str:
 
 
 def is_low(dtype) -> bool:
-    """Whether `dtype` is bfloat16 or float16 (None is not)."""
-    return dtype is not None and dtype_name(dtype) in LOW_PRECISION_BITS
+    """Whether `dtype` is bfloat16 or float16 (None and `"8bit"`, the
+    8-bit slots' name, are not)."""
+    if dtype is None or dtype == "8bit":
+        return False
+    return dtype_name(dtype) in LOW_PRECISION_BITS
 
 
 def round_with_noise(value, dtype, noise):
@@ -159,12 +162,47 @@ class Float32View(keras.Variable):
         return f"<Float32View of {self._path}, dtype={self._dtype}>"
 
 
+class DequantizedView(Float32View):
+    """An 8-bit slot's float32 stand-in for one call of an `update_step`
+    (JAX, torch; `kmp.core.quantization.QuantizedSlot`): reads as the slot's
+    dequantized value, computed once; assignments replace that value and
+    touch no variable (the caller quantizes what was written)."""
+
+    def __init__(self, slot):
+        # Not Float32View.__init__: there is no variable of this shape.
+        self.slot = slot
+        self.variable = slot.codes
+        self._compensation = None
+        self._dtype = "float32"
+        self._shape = tuple(slot.shape)
+        self._name = slot.codes.name
+        self._path = slot.codes.path
+        self._autocast = False
+        self._trainable = False
+        self._constraint = None
+        self._regularizer = None
+        self._overwrite_with_gradient = False
+        self._now = None
+        self._written = False
+
+    @property
+    def value(self):
+        if self._now is None:
+            self._now = self.slot.read()
+            self._read_version = _version(self._now)
+        return self._now
+
+    def __repr__(self):
+        return f"<DequantizedView of {self._path}>"
+
+
 def _version(tensor):
     """torch's count of in-place writes to `tensor`; None elsewhere."""
     return getattr(tensor, "_version", None)
 
 
 __all__ = [
+    "DequantizedView",
     "Float32View",
     "LOW_PRECISION_BITS",
     "dtype_name",

@@ -33,4 +33,7 @@ def view(optimizer, variable, model_variable, compensation, dtype):
     return rounding.Float32View(model_variable, compensation, dtype)
 
 
-__all__ = ["routed_update", "update_variable", "view"]
+# The float32 stand-in for an 8-bit slot.
+slot_view = rounding.DequantizedView
+
+__all__ = ["routed_update", "slot_view", "update_variable", "view"]

@@ -51,8 +51,10 @@ def sum_over_replicas(grads_and_vars):
 def update_variable(optimizer, gradient, learning_rate, variable, index):
     """One variable's update; compiled with XLA for a large one."""
     size = variable.shape.num_elements() or 0
-    low = rounding.is_low(variable.dtype) or rounding.is_low(
-        optimizer.slot_dtype
+    low = (
+        rounding.is_low(variable.dtype)
+        or optimizer.quantized
+        or rounding.is_low(optimizer.slot_dtype)
     )
     if not low or size < COMPILE_MIN_ELEMENTS:
         optimizer._update_one(gradient, learning_rate, variable, index)
@@ -69,6 +71,10 @@ def update_variable(optimizer, gradient, learning_rate, variable, index):
     optimizer._compiled[key](
         gradient, tf.cast(tf.convert_to_tensor(learning_rate), tf.float32)
     )
+
+
+# The float32 stand-in for an 8-bit slot.
+slot_view = tf_rounding.DequantizedView
 
 
 def view(optimizer, variable, model_variable, compensation, dtype):

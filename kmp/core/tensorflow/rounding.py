@@ -125,6 +125,31 @@ class Float32View:
         return self.value[index]
 
 
+class DequantizedView(Float32View):
+    """An 8-bit slot's float32 stand-in for one call of an `update_step`
+    (`kmp.core.quantization.QuantizedSlot`): reads as the slot's
+    dequantized value, computed once; assignments replace that value."""
+
+    def __init__(self, slot):
+        # Not Float32View.__init__: there is no variable of this shape.
+        self.slot = slot
+        self._variable = None
+        self._compensation = None
+        self._unique_id = None
+        self.dtype = tf.float32
+        self.shape = tf.TensorShape(slot.shape)
+        self.name = slot.codes.name
+        self.path = slot.codes.path
+        self._value = None
+        self.written = False
+
+    @property
+    def value(self):
+        if self._value is None:
+            self._value = tf.convert_to_tensor(self.slot.read())
+        return self._value
+
+
 def _operator(function, reflected):
     def method(self, other):
         if reflected:

@@ -19,15 +19,17 @@ from kmp.core.step import low_precision as shared
 
 update_variable = shared.update_variable
 view = shared.view
+slot_view = shared.slot_view
 
 
 def apply_update(optimizer, grads, variables):
     """Applies the (clipped) gradients."""
     inner = optimizer.inner_optimizer
     with torch.no_grad():
-        if not any(
+        slot_dtype = optimizer.slot_dtype
+        if not optimizer.quantized and not any(
             rounding.is_low(dtype)
-            for dtype in [optimizer.slot_dtype, *(v.dtype for v in variables)]
+            for dtype in [slot_dtype, *(v.dtype for v in variables)]
         ):
             inner._apply_weight_decay(variables)
             inner._backend_update_step(grads, variables, inner.learning_rate)

@@ -1,0 +1,199 @@
+"""8-bit optimizer state: block-wise quantization on a dynamic code.
+
+An optimizer slot (Adam's moments, momentum) of `n` elements is kept as `n`
+one-byte codes and one float32 scale per block of `block_size` elements,
+as in bitsandbytes' 8-bit optimizers (Dettmers et al., "8-bit Optimizers
+via Block-wise Quantization", ICLR 2022):
+
+* a block's scale is its largest absolute value, so every block uses the
+  whole code, and one outlier costs only its own block precision;
+* a code is an index into a table of 256 values in [-1, 1] (signed) or
+  [0, 1] (unsigned), the *dynamic code*: like a float, each decade below
+  1 gets its own run of values, the top decade half of them, the next a
+  quarter, down to 1e-6 (the table is built by `dynamic_code`). Relative
+  precision is kept over seven decades, where a linear int8 code keeps
+  two;
+* a value is written as the code nearest to it (one `searchsorted` over
+  the 255 midpoints of the table) and read as `table[code] * scale`.
+
+Slots whose values cannot be negative (Adam's second moment) use the
+unsigned code on their square root: the second moment spans twice the
+decades of the gradients it averages, and a value that fell to 0 while
+the first moment did not would divide by epsilon alone. On the root, a
+second moment reads as 0 only where the first moment does too.
+
+Everything is `keras.ops`: the same arithmetic on every backend, inside
+`jit`, `tf.function` and XLA. `kmp.core.low_precision` keeps the codes
+and scales as the inner optimizer's variables and hands its update a
+float32 view of them (`kmp.core.rounding.DequantizedView`,
+`kmp.core.tensorflow.rounding.DequantizedView`).
+"""
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+from keras import ops
+
+BLOCK_SIZE = 256  # Elements per scale (torchao's; bitsandbytes' 256-4096).
+MIN_8BIT_SIZE = 4096  # Smaller variables keep their slots (bitsandbytes').
+CODE_DTYPE = "uint8"
+DECADES = 7  # 1 down to 1e-6.
+
+# Slot names (Keras's `add_variable_from_reference` names) whose values
+# are never negative: kept as the root on the unsigned code.
+NON_NEGATIVE_SLOTS = ("velocity", "velocity_hat")
+
+
+@functools.lru_cache(maxsize=None)
+def dynamic_code(signed: bool) -> np.ndarray:
+    """The 256 values of the code, sorted, float32, 0 and 1 exact.
+
+    Decade `d` (values in [10**-(d+1), 10**-d], d = 0..6) gets `2**(7-d)`
+    values (unsigned) or `2**(6-d)` on each side of 0 (signed), at the
+    midpoints of equal steps across the decade: with 0 and 1, 256 values
+    (signed: -1 is not one; the most negative is -0.993).
+
+    >>> code = dynamic_code(signed=False)
+    >>> len(code), float(code[0]), float(code[1]), float(code[-1])
+    (256, 0.0, 5.5e-07, 1.0)
+    >>> signed = dynamic_code(signed=True)
+    >>> len(signed), round(float(signed[0]), 3), float(signed[-1])
+    (256, -0.993, 1.0)
+    """
+    extra = 0 if signed else 1
+    below_one = []
+    for decade in range(DECADES):
+        count = 2 ** (DECADES - 1 - decade + extra)
+        top = 10.0**-decade
+        below_one += [
+            top * (0.1 + (k + 0.5) * 0.9 / count) for k in range(count)
+        ]
+    below_one = np.array(below_one)
+    parts = [[0.0], below_one, [1.0]]
+    if signed:
+        parts.append(-below_one)
+    table = np.sort(np.concatenate(parts)).astype(np.float32)
+    if table.shape != (256,) or len(np.unique(table)) != 256:
+        raise AssertionError(f"not 256 distinct values: {table.shape}")
+    return table
+
+
+@functools.lru_cache(maxsize=None)
+def _midpoints(signed: bool) -> np.ndarray:
+    table = dynamic_code(signed).astype(np.float64)
+    return ((table[1:] + table[:-1]) / 2).astype(np.float32)
+
+
+def zero_code(signed: bool) -> int:
+    """The code of 0 (what a new slot's codes are filled with)."""
+    return int(np.flatnonzero(dynamic_code(signed) == 0.0)[0])
+
+
+def blocks(size: int, block_size: int) -> int:
+    """The number of blocks of `size` elements."""
+    return max(1, math.ceil(size / block_size))
+
+
+def quantize(value, signed: bool, block_size: int):
+    """`(codes, scales)` of a float32 tensor: `uint8` codes, flat and
+    padded to whole blocks, and one float32 scale per block (the block's
+    largest absolute value; 0 for a block of zeros).
+
+    For an unsigned slot `value` is the square root of the slot (the
+    caller's `encode`); the codes are the same either way.
+    """
+    flat = ops.reshape(ops.cast(value, "float32"), (-1,))
+    size = flat.shape[0]
+    count = blocks(size, block_size)
+    padding = count * block_size - size
+    if padding:
+        flat = ops.pad(flat, [(0, padding)])
+    grid = ops.reshape(flat, (count, block_size))
+    scales = ops.max(ops.abs(grid), axis=1)
+    divisor = ops.where(scales > 0, scales, ops.ones_like(scales))
+    normalized = ops.clip(grid / divisor[:, None], -1.0, 1.0)
+    midpoints = ops.convert_to_tensor(_midpoints(signed))
+    codes = ops.searchsorted(midpoints, ops.reshape(normalized, (-1,)))
+    return ops.cast(codes, CODE_DTYPE), scales
+
+
+def dequantize(codes, scales, signed: bool, shape, block_size: int):
+    """The float32 tensor of `shape` that `codes` and `scales` hold."""
+    table = ops.convert_to_tensor(dynamic_code(signed))
+    values = ops.take(table, ops.cast(codes, "int32"))
+    count = scales.shape[0]
+    grid = ops.reshape(values, (count, block_size)) * ops.reshape(
+        ops.cast(scales, "float32"), (count, 1)
+    )
+    size = int(np.prod(shape)) if shape else 1
+    flat = ops.reshape(grid, (-1,))
+    if flat.shape[0] != size:
+        flat = flat[:size]
+    return ops.reshape(flat, shape)
+
+
+def encode(value, name: str):
+    """What is quantized for slot `name`: the root of a non-negative one."""
+    if name in NON_NEGATIVE_SLOTS:
+        return ops.sqrt(ops.maximum(value, 0.0))
+    return value
+
+
+def decode(value, name: str):
+    """The slot's value from what was quantized (see `encode`)."""
+    if name in NON_NEGATIVE_SLOTS:
+        return ops.square(value)
+    return value
+
+
+def is_signed(name: str) -> bool:
+    """Whether slot `name` is kept on the signed code."""
+    return name not in NON_NEGATIVE_SLOTS
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class QuantizedSlot:
+    """One 8-bit slot: its codes and scales (variables of the optimizer
+    that owns the slot), the slot's name, shape and block size."""
+
+    codes: object
+    scales: object
+    name: str
+    shape: tuple
+    block_size: int
+
+    def read(self):
+        """The slot's float32 value now (inside a stateless scope, the
+        scope's values)."""
+        value = dequantize(
+            self.codes.value,
+            self.scales.value,
+            is_signed(self.name),
+            self.shape,
+            self.block_size,
+        )
+        return decode(value, self.name)
+
+    def encoded(self, value):
+        """`(codes, scales)` holding float32 `value`."""
+        return quantize(
+            encode(value, self.name), is_signed(self.name), self.block_size
+        )
+
+
+__all__ = [
+    "BLOCK_SIZE",
+    "QuantizedSlot",
+    "CODE_DTYPE",
+    "MIN_8BIT_SIZE",
+    "blocks",
+    "decode",
+    "dequantize",
+    "dynamic_code",
+    "encode",
+    "is_signed",
+    "quantize",
+    "zero_code",
+]

@@ -1,0 +1,227 @@
+"""8-bit slots in `kmp.LowPrecisionOptimizer` (`slot_dtype="8bit"`).
+
+Which slots: the moments of Adam and AdamW, Lion's and SGD's momentum, for
+variables of `min_8bit_size` elements or more whose path no pattern of
+`exclude_from_8bit` matches; the others keep their dtype (as with
+`slot_dtype=None`). Small variables (biases, normalization scales) hold
+little memory and the most sensitive updates, as bitsandbytes found.
+
+How: while the inner optimizer builds, its `add_variable_from_reference`
+is lent a form that makes, for such a slot, a variable of one-byte codes
+(what the inner optimizer's slot list holds) and one of float32 block
+scales beside it (`kmp.core.quantization`). In a step, each variable's
+update sees, in place of those codes, a float32 view of the slot
+(`views`: the backend's `DequantizedView`); what the update writes is
+quantized back into the codes and scales (`write_back`). The arithmetic
+stays the inner optimizer's own, in float32.
+"""
+
+import contextlib
+import math
+import numbers
+import re
+
+import keras
+
+from kmp.core import checks
+from kmp.core import quantization
+
+SLOT_DTYPE = "8bit"
+# The optimizers whose update reads its slots only through the slot lists
+# (and whose slots kmp knows the sign of), by their `update_step`.
+SUPPORTED = {
+    keras.optimizers.Adam.update_step: "Adam",
+    keras.optimizers.Lion.update_step: "Lion",
+    keras.optimizers.SGD.update_step: "SGD",
+}
+# The slot names that are quantized (Keras's names).
+SLOT_NAMES = ("momentum", "velocity", "velocity_hat")
+
+
+def _refuse(error, argument, allowed, value):
+    received = checks.describe(value) if error is TypeError else repr(value)
+    raise error(
+        f"'{argument}' must be {allowed}. Received: {argument}={received}"
+    )
+
+
+def check_arguments(inner, slot_dtype, block_size, min_8bit_size, exclude):
+    """Validates the 8-bit arguments; returns `Plan` (None without 8 bits).
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: a value is out of range, an 8-bit argument is given
+            without `slot_dtype="8bit"`, or the inner optimizer has no
+            8-bit slots.
+    """
+    given = {
+        "block_size": block_size,
+        "min_8bit_size": min_8bit_size,
+        "exclude_from_8bit": exclude,
+    }
+    if slot_dtype != SLOT_DTYPE:
+        for argument, value in given.items():
+            if value is not None:
+                _refuse(
+                    ValueError,
+                    argument,
+                    "None unless slot_dtype='8bit'",
+                    value,
+                )
+        return None
+    if type(inner).update_step not in SUPPORTED:
+        allowed = (
+            "an optimizer with 8-bit slots for slot_dtype='8bit': "
+            "keras.optimizers.Adam, AdamW, Lion or SGD"
+        )
+        _refuse(TypeError, "inner_optimizer", allowed, inner)
+    for argument, value, low in (
+        ("block_size", block_size, 1),
+        ("min_8bit_size", min_8bit_size, 0),
+    ):
+        allowed = f"None or an integer >= {low}"
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            _refuse(TypeError, argument, allowed, value)
+        if value < low:
+            _refuse(ValueError, argument, allowed, value)
+    patterns = () if exclude is None else exclude
+    allowed = "None or a list of strings (regular expressions of paths)"
+    if isinstance(patterns, str) or not isinstance(patterns, (list, tuple)):
+        _refuse(TypeError, "exclude_from_8bit", allowed, exclude)
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            _refuse(TypeError, "exclude_from_8bit", allowed, exclude)
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            raise ValueError(
+                f"'exclude_from_8bit' holds {pattern!r}, not a regular "
+                f"expression ({error})."
+            ) from None
+    return Plan(
+        quantization.BLOCK_SIZE if block_size is None else int(block_size),
+        quantization.MIN_8BIT_SIZE
+        if min_8bit_size is None
+        else int(min_8bit_size),
+        tuple(patterns),
+    )
+
+
+class Plan:
+    """Which slots are 8-bit, and their block size."""
+
+    def __init__(self, block_size, min_size, exclude):
+        self.block_size = block_size
+        self.min_size = min_size
+        self.exclude = exclude
+
+    def quantizes(self, variable, slot_name) -> bool:
+        if slot_name not in SLOT_NAMES:
+            return False
+        if not keras.backend.is_float_dtype(variable.dtype):
+            return False
+        size = math.prod(tuple(variable.shape))
+        if size < self.min_size:
+            return False
+        path = getattr(variable, "path", variable.name)
+        return not any(re.search(p, path) for p in self.exclude)
+
+
+def lent_builder(plan, inner, slots):
+    """The `add_variable_from_reference` lent to `inner` while it builds:
+    an 8-bit slot where `plan` says so (appended to `slots`), else the
+    inner optimizer's own."""
+    original = inner.add_variable_from_reference
+
+    def add_variable_from_reference(
+        reference_variable, name=None, initializer="zeros"
+    ):
+        if initializer != "zeros" or not plan.quantizes(
+            reference_variable, name
+        ):
+            return original(reference_variable, name, initializer)
+        shape = tuple(reference_variable.shape)
+        count = quantization.blocks(math.prod(shape), plan.block_size)
+        base = f"{reference_variable.path.replace('/', '_')}_{name}"
+        signed = quantization.is_signed(name)
+        codes = inner.add_variable(
+            shape=(count * plan.block_size,),
+            initializer=keras.initializers.Constant(
+                quantization.zero_code(signed)
+            ),
+            dtype=quantization.CODE_DTYPE,
+            name=f"{base}_8bit",
+        )
+        scales = inner.add_variable(
+            shape=(count,),
+            initializer="zeros",
+            dtype="float32",
+            name=f"{base}_scale",
+        )
+        slots.append(
+            quantization.QuantizedSlot(
+                codes, scales, name, shape, plan.block_size
+            )
+        )
+        return codes
+
+    return add_variable_from_reference
+
+
+def locate(inner, slots):
+    """`{variable index: [(slot list, index, slot), ...]}`: where the
+    inner optimizer keeps each 8-bit slot's codes."""
+    by_id = {id(slot.codes): slot for slot in slots}
+    found = {}
+    count = len(inner._trainable_variables)
+    for value in list(vars(inner).values()):
+        # A slot list has one entry per trainable variable; the list of
+        # all the optimizer's variables is not one.
+        if (
+            not isinstance(value, list)
+            or len(value) != count
+            or value is inner._variables
+        ):
+            continue
+        for index, item in enumerate(value):
+            slot = by_id.get(id(item))
+            if slot is not None:
+                found.setdefault(index, []).append((value, slot))
+    missing = len(slots) - sum(len(v) for v in found.values())
+    if missing:
+        raise RuntimeError(
+            f"{type(inner).__name__} keeps {missing} of its slots outside "
+            "its slot lists; they cannot be 8-bit."
+        )
+    return found
+
+
+@contextlib.contextmanager
+def views(located, index, view_class):
+    """Puts a float32 view (`view_class(slot)`) in place of each 8-bit
+    slot of variable `index` in the inner optimizer's slot lists, for the
+    block; yields `[(slot, view), ...]`."""
+    entries = located.get(index, ())
+    pairs = []
+    try:
+        for slot_list, slot in entries:
+            view = view_class(slot)
+            # list's own __setitem__: Keras's tracked lists must not track
+            # the view as a variable of the optimizer.
+            list.__setitem__(slot_list, index, view)
+            pairs.append((slot, view))
+        yield pairs
+    finally:
+        for slot_list, slot in entries:
+            list.__setitem__(slot_list, index, slot.codes)
+
+
+def write_back(optimizer, pairs) -> None:
+    """Quantizes what the update wrote into each view's codes and scales."""
+    for slot, view in pairs:
+        if view.written:
+            codes, scales = slot.encoded(view.value)
+            optimizer.assign(slot.codes, codes)
+            optimizer.assign(slot.scales, scales)
