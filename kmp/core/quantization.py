@@ -13,8 +13,9 @@ via Block-wise Quantization", ICLR 2022):
   quarter, down to 1e-6 (the table is built by `dynamic_code`). Relative
   precision is kept over seven decades, where a linear int8 code keeps
   two;
-* a value is written as the code nearest to it (one `searchsorted` over
-  the 255 midpoints of the table) and read as `table[code] * scale`.
+* a value is written as the code nearest to it (computed elementwise from
+  its decade, not searched for: `nearest_code`) and read as
+  `table[code] * scale`.
 
 Slots whose values cannot be negative (Adam's second moment) use the
 unsigned code on their square root: the second moment spans twice the
@@ -80,12 +81,6 @@ def dynamic_code(signed: bool) -> np.ndarray:
     return table
 
 
-@functools.lru_cache(maxsize=None)
-def _midpoints(signed: bool) -> np.ndarray:
-    table = dynamic_code(signed).astype(np.float64)
-    return ((table[1:] + table[:-1]) / 2).astype(np.float32)
-
-
 def zero_code(signed: bool) -> int:
     """The code of 0 (what a new slot's codes are filled with)."""
     return int(np.flatnonzero(dynamic_code(signed) == 0.0)[0])
@@ -101,8 +96,8 @@ def quantize(value, signed: bool, block_size: int):
     padded to whole blocks, and one float32 scale per block (the block's
     largest absolute value; 0 for a block of zeros).
 
-    For an unsigned slot `value` is the square root of the slot (the
-    caller's `encode`); the codes are the same either way.
+    A value divided by its block's scale is written as the nearest code
+    (`nearest_code`): computed, not searched for.
     """
     flat = ops.reshape(ops.cast(value, "float32"), (-1,))
     size = flat.shape[0]
@@ -113,10 +108,63 @@ def quantize(value, signed: bool, block_size: int):
     grid = ops.reshape(flat, (count, block_size))
     scales = ops.max(ops.abs(grid), axis=1)
     divisor = ops.where(scales > 0, scales, ops.ones_like(scales))
-    normalized = ops.clip(grid / divisor[:, None], -1.0, 1.0)
-    midpoints = ops.convert_to_tensor(_midpoints(signed))
-    codes = ops.searchsorted(midpoints, ops.reshape(normalized, (-1,)))
-    return ops.cast(codes, CODE_DTYPE), scales
+    normalized = ops.reshape(grid / divisor[:, None], (-1,))
+    return ops.cast(nearest_code(normalized, signed), CODE_DTYPE), scales
+
+
+def nearest_code(normalized, signed: bool):
+    """The code (an int32 in [0, 255]) nearest to each value in [-1, 1],
+    computed elementwise (no search, no gather: it fuses with the update).
+
+    A value's decade `d` (values in [10**-(d+1), 10**-d)) comes from six
+    comparisons, its bin `k` in the decade from the `count` equal steps
+    the decade has (`dynamic_code`): each code is the centre of its bin, so
+    within a decade the bin's code is the nearest; at a decade's edges the
+    neighbouring decade's (or 0's, or 1's) code may be nearer, which two
+    more comparisons check. The code's place among the non-negative ones
+    is `count + k` (signed; 0 is 0, 1 is 128) or `count - 1 + k`
+    (unsigned; 1 is 255); a negative value's is mirrored below 0's.
+    """
+    magnitude = ops.minimum(ops.abs(normalized), 1.0)
+    decade = ops.zeros_like(magnitude)
+    for d in range(1, DECADES):
+        decade = decade + ops.cast(magnitude < 10.0**-d, magnitude.dtype)
+    extra = 0 if signed else 1
+    counts = [2.0 ** (DECADES - 1 - d + extra) for d in range(DECADES)]
+
+    def per_decade(values):
+        out = ops.full_like(magnitude, values[-1])
+        for d in range(DECADES - 2, -1, -1):
+            out = ops.where(decade == d, values[d], out)
+        return out
+
+    def centre(d, k):
+        return 10.0**-d * (0.1 + (k + 0.5) * 0.9 / counts[d])
+
+    tens = per_decade([10.0**d for d in range(DECADES)])
+    count = per_decade(counts)
+    step = ops.floor((magnitude * tens - 0.1) * count / 0.9)
+    step = ops.clip(step, 0.0, count - 1.0)
+    value = (0.1 + (step + 0.5) * 0.9 / count) / tens
+    below = per_decade(
+        [centre(d + 1, counts[d + 1] - 1) for d in range(DECADES - 1)] + [0.0]
+    )
+    above = per_decade([1.0] + [centre(d - 1, 0) for d in range(1, DECADES)])
+    distance = ops.abs(magnitude - value)
+    down = ops.logical_and(step == 0, ops.abs(magnitude - below) < distance)
+    up = ops.logical_and(
+        step == count - 1, ops.abs(magnitude - above) < distance
+    )
+    offset = count + step - (0.0 if signed else 1.0)
+    offset = offset - ops.cast(down, offset.dtype) + ops.cast(up, offset.dtype)
+    if signed:
+        negative = normalized < 0
+        code = ops.where(
+            negative, ops.maximum(127.0 - offset, 0.0), 127.0 + offset
+        )
+    else:
+        code = offset
+    return ops.cast(code, "int32")
 
 
 def dequantize(codes, scales, signed: bool, shape, block_size: int):

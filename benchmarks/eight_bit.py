@@ -1,0 +1,593 @@
+"""8-bit optimizer state against float32 Adam and 16-bit state, side by side.
+
+On Keras's current backend, for the digits classifier and the transformer
+of `kmp bench` (their `small` sizes), trains each configuration from the
+same weights on the same batches and reports, per configuration:
+
+* bytes of weights + optimizer state per parameter, and their ratio to
+  float32 Adam's (goal: 8-bit state with bfloat16 weights <= 0.35x);
+* the final training loss (the whole training set, after training) and
+  the test accuracy, averaged over `--seeds` runs (goals: digits within
+  0.5 point of float32 Adam's accuracy, the transformer's final loss
+  within 2% of float32 Adam's);
+* the median step time of `train_on_batch` (which waits for the step), as
+  a ratio to float32 Adam's, measured in the same process;
+* the peak process memory of training a 42M-parameter MLP (2048-4096-
+  4096-4096-10, batch 16, 3 steps), each configuration in a process of
+  its own (`ru_maxrss` less the process's size before the model is built).
+
+On torch also PyTorch's own side by side on the same Keras model's
+parameters, data and steps (a torch loop): `torch.optim.AdamW`, torchao's
+`AdamW8bit`, and kmp's 8-bit AdamW in the same loop: loss curves and
+state bytes.
+
+    KERAS_BACKEND=jax python benchmarks/eight_bit.py
+    python benchmarks/eight_bit.py --quick        # checks that it runs
+    python benchmarks/eight_bit.py --summary      # the docs' table, from
+                                                  # every backend's file
+
+Configurations (Adam at the model's learning rate in all):
+
+* `float32`: float32 weights, Keras's Adam (12 bytes per parameter);
+* `mixed_bfloat16`: the same under mixed_bfloat16 (the same bytes);
+* `bf16 + 16-bit state`: bfloat16 weights, `kmp.LowPrecisionOptimizer(Adam,
+  rounding="stochastic")` (bfloat16 moments: 6 bytes);
+* `bf16 + 8-bit state`: the same with `slot_dtype="8bit"` (about 4);
+* `float32 + 8-bit state`: float32 weights, 8-bit moments (about 6:
+  bitsandbytes' and torchao's configuration).
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+CONFIGURATIONS = (
+    "float32",
+    "mixed_bfloat16",
+    "bf16 + 16-bit state",
+    "bf16 + 8-bit state",
+    "float32 + 8-bit state",
+)
+# Per model: epochs of training and its size in `kmp bench`.
+MODELS = {"digits": 40, "transformer": 12}
+QUICK_EPOCHS = 1
+MEMORY_UNITS = (2048, 4096, 4096, 4096)
+
+
+def _policy(configuration):
+    if configuration.startswith("bf16"):
+        return "bfloat16"
+    if configuration == "mixed_bfloat16":
+        return "mixed_bfloat16"
+    return "float32"
+
+
+def _optimizer(configuration, learning_rate, seed=0, inner=None):
+    import keras
+
+    import kmp
+
+    inner = inner or keras.optimizers.Adam(learning_rate)
+    if configuration in ("float32", "mixed_bfloat16"):
+        return inner
+    if configuration == "bf16 + 16-bit state":
+        return kmp.LowPrecisionOptimizer(inner, "stochastic", seed=seed)
+    rounding = "stochastic" if configuration.startswith("bf16") else "nearest"
+    return kmp.LowPrecisionOptimizer(
+        inner, rounding, slot_dtype="8bit", seed=seed
+    )
+
+
+def _itemsize(dtype) -> int:
+    import keras
+
+    name = keras.backend.standardize_dtype(dtype)
+    return {"bfloat16": 2, "float16": 2, "uint8": 1, "int8": 1}.get(
+        name, 8 if name.endswith("64") else 4
+    )
+
+
+def state_bytes(model, optimizer):
+    """(bytes of weights + optimizer variables, trainable parameters)."""
+    variables = list(model.trainable_variables) + list(optimizer.variables)
+    total = sum(
+        int(_size(v.shape)) * _itemsize(v.dtype)
+        for v in variables
+        if _size(v.shape) > 1  # Scalars: iterations, learning rate, seed.
+    )
+    parameters = sum(int(_size(v.shape)) for v in model.trainable_variables)
+    return total, parameters
+
+
+def _size(shape):
+    size = 1
+    for dim in shape:
+        size *= int(dim)
+    return size
+
+
+def train(model_name, configuration, seed, epochs, quick):
+    """Trains one configuration; returns its record."""
+    import keras
+
+    from kmp.tools.bench import models as bench_models
+
+    spec = bench_models.model_spec(model_name, "tiny" if quick else "small")
+    x_train, x_test, y_train, y_test = bench_models.load_data(spec)
+    keras.utils.set_random_seed(seed)
+    model = bench_models.build_model(spec, _policy(configuration))
+    optimizer = _optimizer(configuration, spec.learning_rate, seed)
+    model.compile(
+        optimizer=optimizer,
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+    )
+    model.fit(
+        x_train,
+        y_train,
+        batch_size=spec.batch_size,
+        epochs=epochs,
+        shuffle=True,
+        verbose=0,
+    )
+    final_loss = float(model.evaluate(x_train, y_train, verbose=0)[0])
+    accuracy = float(model.evaluate(x_test, y_test, verbose=0)[1])
+    batch = (x_train[: spec.batch_size], y_train[: spec.batch_size])
+    times = []
+    for _ in range(3 if quick else 25):
+        started = time.perf_counter()
+        model.train_on_batch(*batch)  # Returns NumPy: waits for the step.
+        times.append(time.perf_counter() - started)
+    total, parameters = state_bytes(model, optimizer)
+    return {
+        "model": model_name,
+        "configuration": configuration,
+        "seed": seed,
+        "final_loss": final_loss,
+        "test_accuracy": accuracy,
+        "step_ms": 1000 * statistics.median(times[2:] or times),
+        "state_bytes": total,
+        "parameters": parameters,
+        "bytes_per_parameter": total / parameters,
+        "quantized": bool(getattr(optimizer, "quantized", False)),
+    }
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def memory_child(configuration, quick):
+    """In a process of its own: the peak memory of training the MLP."""
+    import keras
+    import numpy as np
+
+    units = (32, 64, 64, 64) if quick else MEMORY_UNITS
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, units[0])).astype("float32")
+    y = rng.integers(0, 10, size=(16,))
+    import kmp
+
+    before = _rss_bytes()
+    with kmp.policy_scope(_policy(configuration)):
+        layers = [keras.Input((units[0],))]
+        layers += [keras.layers.Dense(u, activation="relu") for u in units[1:]]
+        layers += [keras.layers.Dense(10)]
+        layers += [keras.layers.Activation("softmax", dtype="float32")]
+        model = keras.Sequential(layers)
+    optimizer = _optimizer(configuration, 1e-4)
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+    for _ in range(3):
+        model.train_on_batch(x, y)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    total, parameters = state_bytes(model, optimizer)
+    print(
+        json.dumps(
+            {
+                "configuration": configuration,
+                "peak_mb": (peak - before) / 2**20,
+                "state_mb": total / 2**20,
+                "parameters": parameters,
+            }
+        )
+    )
+
+
+def measure_memory(quick):
+    records = []
+    for configuration in CONFIGURATIONS:
+        result = subprocess.run(
+            [sys.executable, __file__, "--memory-child", configuration]
+            + (["--quick"] if quick else []),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr[-3000:])
+        records.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    return records
+
+
+def torch_side_by_side(quick, steps=None):
+    """On torch: AdamW (float32), torchao's AdamW8bit and kmp's 8-bit
+    AdamW in one torch loop over the same Keras model, data and steps."""
+    import keras
+    import numpy as np
+    import torch
+
+    from kmp.tools.bench import models as bench_models
+
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError:
+        return None
+    spec = bench_models.model_spec("transformer", "tiny" if quick else "small")
+    x_train, _, y_train, _ = bench_models.load_data(spec)
+    steps = steps or (4 if quick else 300)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+    rows = []
+    for name in ("torch AdamW", "torchao AdamW8bit", "kmp 8-bit AdamW"):
+        keras.utils.set_random_seed(0)
+        model = bench_models.build_model(spec, "float32")
+        weights = model.trainable_variables
+        params = [w.value for w in weights]
+        rate = spec.learning_rate
+        if name == "torch AdamW":
+            optimizer = torch.optim.AdamW(params, lr=rate, eps=1e-7)
+        elif name == "torchao AdamW8bit":
+            optimizer = AdamW8bit(params, lr=rate, eps=1e-7)
+        else:
+            optimizer = _optimizer(
+                "float32 + 8-bit state",
+                rate,
+                inner=keras.optimizers.AdamW(rate, weight_decay=0.01),
+            )
+            optimizer.build(weights)
+        losses = []
+        started = time.perf_counter()
+        for step in range(steps):
+            start = (step * spec.batch_size) % (len(x_train) - spec.batch_size)
+            x = keras.ops.convert_to_tensor(
+                x_train[start : start + spec.batch_size]
+            )
+            y = keras.ops.convert_to_tensor(
+                y_train[start : start + spec.batch_size]
+            )
+            model.zero_grad()
+            loss = loss_fn(y, model(x, training=True))
+            loss.backward()
+            if isinstance(optimizer, torch.optim.Optimizer):
+                optimizer.step()
+            else:
+                with torch.no_grad():
+                    optimizer.apply([w.value.grad for w in weights], weights)
+            losses.append(float(loss.detach()))
+        seconds = time.perf_counter() - started
+        if isinstance(optimizer, torch.optim.Optimizer):
+            state = sum(
+                _torch_bytes(t)
+                for s in optimizer.state.values()
+                for k, t in s.items()
+                if k != "step"
+            )
+        else:
+            state = sum(
+                _size(v.shape) * _itemsize(v.dtype)
+                for v in optimizer.variables
+                if _size(v.shape) > 1
+            )
+        weight_bytes = sum(p.numel() * p.element_size() for p in params)
+        parameters = sum(p.numel() for p in params)
+        rows.append(
+            {
+                "optimizer": name,
+                "steps": steps,
+                "final_loss": float(np.mean(losses[-20:])),
+                "losses": losses,
+                "seconds": seconds,
+                "state_bytes": state,
+                "bytes_per_parameter": (state + weight_bytes) / parameters,
+            }
+        )
+    return rows
+
+
+def _torch_bytes(tensor):
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        return tensor.numel() * tensor.element_size()
+    names, _ = flatten()
+    return sum(_torch_bytes(getattr(tensor, n)) for n in names)
+
+
+def run(args):
+    import keras
+
+    backend = keras.backend.backend()
+    records = []
+    for model_name, epochs in MODELS.items():
+        epochs = QUICK_EPOCHS if args.quick else epochs
+        for seed in range(1 if args.quick else args.seeds):
+            for configuration in CONFIGURATIONS:
+                record = train(
+                    model_name, configuration, seed, epochs, args.quick
+                )
+                records.append(record)
+                print(
+                    f"{model_name:12} {configuration:22} seed {seed}: "
+                    f"loss {record['final_loss']:.4f}, accuracy "
+                    f"{100 * record['test_accuracy']:.2f}%, "
+                    f"{record['bytes_per_parameter']:.2f} B/param, "
+                    f"{record['step_ms']:.1f} ms/step",
+                    flush=True,
+                )
+    memory = measure_memory(args.quick)
+    for row in memory:
+        print(
+            f"memory {row['configuration']:22}: state {row['state_mb']:.0f} "
+            f"MB, peak {row['peak_mb']:.0f} MB",
+            flush=True,
+        )
+    side = torch_side_by_side(args.quick) if backend == "torch" else None
+    for row in side or ():
+        print(
+            f"torch loop {row['optimizer']:18}: final loss "
+            f"{row['final_loss']:.4f}, {row['bytes_per_parameter']:.2f} "
+            f"B/param, {row['seconds']:.1f} s",
+            flush=True,
+        )
+    document = {
+        "backend": backend,
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(
+            ["python", "benchmarks/eight_bit.py"] + sys.argv[1:]
+        ),
+        "machine": _machine(),
+        "versions": _versions(backend),
+        "records": records,
+        "memory": memory,
+        "torch_side_by_side": side,
+    }
+    output = args.output or RESULTS / "eight_bit" / f"{backend}.json"
+    output = pathlib.Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(document, indent=1) + "\n")
+    print(f"Wrote {output}")
+
+
+def _machine():
+    try:
+        with open("/proc/cpuinfo") as info:
+            model = next(
+                line.split(":", 1)[1].strip()
+                for line in info
+                if line.startswith("model name")
+            )
+    except (OSError, StopIteration):
+        model = "unknown CPU"
+    return f"{model}, {os.cpu_count()} cores, no GPU"
+
+
+def _versions(backend):
+    import keras
+
+    versions = {"keras": keras.__version__}
+    module = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}[
+        backend
+    ]
+    versions[module] = __import__(module).__version__
+    return versions
+
+
+def _mean(values):
+    return sum(values) / len(values)
+
+
+def _rows(records, model, configuration):
+    return [
+        r
+        for r in records
+        if r["model"] == model and r["configuration"] == configuration
+    ]
+
+
+def summarize(output=None):
+    """Writes the docs' file (kmp-benchmark-results/1) from every
+    backend's file in `results/eight_bit/`."""
+    documents = [
+        json.loads(path.read_text())
+        for path in sorted((RESULTS / "eight_bit").glob("*.json"))
+    ]
+    bytes_, accuracy, loss, speed, peak, side = ([] for _ in range(6))
+    for document in documents:
+        backend, records = document["backend"], document["records"]
+        for model in MODELS:
+            base = _rows(records, model, "float32")
+            if not base:
+                continue
+            group = f"{model}, {backend}"
+            for configuration in CONFIGURATIONS:
+                rows = _rows(records, model, configuration)
+                series = configuration
+                bytes_.append(
+                    {
+                        "group": group,
+                        "series": series,
+                        "value": rows[0]["state_bytes"]
+                        / base[0]["state_bytes"],
+                    }
+                )
+                if model == "digits":
+                    values = [100 * r["test_accuracy"] for r in rows]
+                    accuracy.append(
+                        {
+                            "group": backend,
+                            "series": series,
+                            "value": _mean(values),
+                            "range": [min(values), max(values)],
+                        }
+                    )
+                else:
+                    ratios = [
+                        r["final_loss"] / b["final_loss"]
+                        for r, b in zip(rows, base)
+                    ]
+                    loss.append(
+                        {
+                            "group": backend,
+                            "series": series,
+                            "value": _mean(ratios),
+                            "range": [min(ratios), max(ratios)],
+                        }
+                    )
+                ratios = [
+                    r["step_ms"] / b["step_ms"] for r, b in zip(rows, base)
+                ]
+                speed.append(
+                    {
+                        "group": group,
+                        "series": series,
+                        "value": _mean(ratios),
+                        "range": [min(ratios), max(ratios)],
+                    }
+                )
+        for row in document["memory"]:
+            peak.append(
+                {
+                    "group": backend,
+                    "series": row["configuration"],
+                    "value": row["peak_mb"],
+                }
+            )
+        for row in document.get("torch_side_by_side") or ():
+            side.append(
+                {
+                    "group": "final loss (mean of the last 20 steps)",
+                    "series": row["optimizer"],
+                    "value": row["final_loss"],
+                }
+            )
+            side.append(
+                {
+                    "group": "bytes per parameter (weights + state)",
+                    "series": row["optimizer"],
+                    "value": row["bytes_per_parameter"],
+                }
+            )
+    goal_groups = {m["group"] for m in bytes_}
+    tables = [
+        {
+            "caption": "Weights + optimizer state / float32 Adam's",
+            "unit": "x",
+            "decimals": 3,
+            "better": "lower",
+            "goals": {g: {"op": "<=", "value": 0.35} for g in goal_groups},
+            "measurements": bytes_,
+        },
+        {
+            "caption": "Digits: test accuracy (%), mean of the seeds",
+            "unit": "%",
+            "decimals": 2,
+            "better": "higher",
+            "measurements": accuracy,
+        },
+        {
+            "caption": "Transformer: final training loss / float32 Adam's",
+            "unit": "x",
+            "decimals": 3,
+            "better": "lower",
+            "goals": {m["group"]: {"op": "<=", "value": 1.02} for m in loss},
+            "measurements": loss,
+        },
+        {
+            "caption": "Step time / float32 Adam's (train_on_batch)",
+            "unit": "x",
+            "decimals": 2,
+            "better": "lower",
+            "measurements": speed,
+        },
+        {
+            "caption": "Peak process memory growth (MB), 42M-parameter MLP",
+            "unit": "MB",
+            "decimals": 0,
+            "better": "lower",
+            "measurements": peak,
+        },
+    ]
+    if side:
+        tables.append(
+            {
+                "caption": "torch loop, transformer: against torchao",
+                "unit": "",
+                "decimals": 3,
+                "better": "lower",
+                "measurements": side,
+            }
+        )
+    machines = sorted({d["machine"] for d in documents})
+    versions = "; ".join(
+        f"{d['backend']}: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(d["versions"].items()))
+        for d in documents
+    )
+    summary = {
+        "format": "kmp-benchmark-results/1",
+        "title": "8-bit optimizer state",
+        "about": (
+            '`kmp.LowPrecisionOptimizer(Adam, slot_dtype="8bit")` '
+            "against float32 Adam and 16-bit state (bfloat16 weights and "
+            "moments), each configuration trained from the same weights on "
+            "the same batches in one run per backend "
+            "(`benchmarks/eight_bit.py`; its docstring says what each "
+            "number is)."
+        ),
+        "date": max(d["date"] for d in documents),
+        "machine": "; ".join(machines) + "; " + versions,
+        "source": "benchmarks/results/eight_bit/*.json",
+        "commands": {
+            d["backend"]: f"KERAS_BACKEND={d['backend']} {d['command']}"
+            for d in documents
+        },
+        "tables": tables,
+        "notes": [],
+    }
+    output = pathlib.Path(output or RESULTS / "eight_bit.json")
+    output.write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"Wrote {output}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny: checks it runs"
+    )
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--output", default=None)
+    parser.add_argument("--summary", action="store_true")
+    parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_child:
+        memory_child(args.memory_child, args.quick)
+    elif args.summary:
+        summarize(args.output)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()
