@@ -59,7 +59,7 @@ CONFIGURATIONS = (
     "float32 + 8-bit state",
 )
 # Per model: epochs of training and its size in `kmp bench`.
-MODELS = {"digits": 40, "transformer": 12}
+MODELS = {"digits": 40, "transformer": 3}
 QUICK_EPOCHS = 1
 MEMORY_UNITS = (2048, 4096, 4096, 4096)
 

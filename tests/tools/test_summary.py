@@ -224,3 +224,43 @@ def test_nested_model_with_keras_ops_calls():
     assert multiply[0].startswith("block/multiply") and multiply[2] == "-"
     assert _class_row(text, "GetItem")[2] == "-"
     assert _row(text, "block/inner")[1] == "Dense"
+
+
+def test_bytes_per_parameter_of_weights_and_optimizer_state():
+    def compiled(policy, optimizer):
+        with kmp.policy_scope(policy):
+            model = keras.Sequential(
+                [keras.Input((64,)), keras.layers.Dense(128)]
+            )
+        model.compile(optimizer=optimizer, loss="mse")
+        return model
+
+    adam = compiled("float32", keras.optimizers.Adam())
+    text = summary(adam)
+    assert "Weights: 33,280 bytes, 4.00 per trainable parameter" in text
+    assert "Adam not built yet" in text
+    adam.optimizer.build(adam.trainable_variables)
+    assert "weights + state 12.00 bytes per trainable parameter" in summary(
+        adam
+    )
+    # bfloat16 weights, 8-bit moments (the 64x128 kernel; the bias keeps
+    # bfloat16 moments), stochastic rounding: about a third.
+    eight_bit = compiled(
+        "bfloat16",
+        kmp.LowPrecisionOptimizer(
+            keras.optimizers.Adam(),
+            "stochastic",
+            slot_dtype="8bit",
+            min_8bit_size=4096,
+        ),
+    )
+    eight_bit.optimizer.build(eight_bit.trainable_variables)
+    line = [
+        line
+        for line in summary(eight_bit).splitlines()
+        if "weights + state" in line
+    ][0]
+    per_parameter = float(line.split("weights + state ")[1].split()[0])
+    # 2 (weight) + 1 + 1 (codes) + 8 / 256 (two scales per block), the
+    # bias's bfloat16 moments, and scalars (seed, iterations, rate).
+    assert 4.0 < per_parameter < 4.1, line

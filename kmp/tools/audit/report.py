@@ -71,6 +71,11 @@ class LayerAudit:
         inputs_from: For a `keras.ops` call, the layers whose outputs it
             computes from (through other `keras.ops` calls): keeping those
             in float32 keeps it in float32.
+        moments_8bit_error: How much 8-bit moments
+            (`LowPrecisionOptimizer(slot_dtype="8bit")`) would change the
+            layer's Adam update, `||u_8bit - u|| / ||u||`, over its weights
+            of 4096 elements or more (`kmp.tools.audit.moments`); None
+            without a loss or such a weight.
     """
 
     name: str
@@ -89,6 +94,7 @@ class LayerAudit:
     local_non_finite: bool
     operation: bool = False
     inputs_from: Tuple[str, ...] = ()
+    moments_8bit_error: Optional[float] = None
 
     @property
     def dtype_max(self) -> float:
@@ -123,6 +129,11 @@ class AuditReport:
             computed.
         max_gradient: The largest |gradient| among float16 layers (None as
             above), which the suggested scale is based on.
+        suggested_exclude_from_8bit: Patterns of the layers whose moments
+            8 bits would change too much (see `LayerAudit.
+            moments_8bit_error`), ready for `kmp.LowPrecisionOptimizer(...,
+            slot_dtype="8bit", exclude_from_8bit=...)`.
+        reasons_8bit: For each such layer, why.
 
     Example:
 
@@ -153,6 +164,8 @@ class AuditReport:
     reasons: Dict[str, str]
     suggested_initial_scale: Optional[float]
     max_gradient: Optional[float]
+    suggested_exclude_from_8bit: Tuple[str, ...] = ()
+    reasons_8bit: Dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_text(self) -> str:
         """The report as a table followed by the suggestions.
@@ -326,7 +339,34 @@ def report_text(report: "AuditReport") -> str:
             "Suggested initial loss scale: none needed (no layer computes in "
             "float16)."
         )
+    lines.extend(_eight_bit_lines(report))
     return "\n".join(lines)
+
+
+def _eight_bit_lines(report) -> List[str]:
+    errors = [
+        (row.moments_8bit_error, row.name)
+        for row in report.layers
+        if row.moments_8bit_error is not None
+    ]
+    if not errors:
+        return []
+    if not report.suggested_exclude_from_8bit:
+        largest, name = max(errors)
+        return [
+            "8-bit moments (slot_dtype='8bit'): every layer's Adam update "
+            f"stays within {largest:.1%} (largest: {name!r})."
+        ]
+    patterns = ", ".join(repr(p) for p in report.suggested_exclude_from_8bit)
+    lines = [
+        "8-bit moments: keep these layers' at full precision: "
+        f"kmp.LowPrecisionOptimizer(..., slot_dtype='8bit', "
+        f"exclude_from_8bit=[{patterns}])"
+    ]
+    lines.extend(
+        f"- {name!r}: {reason}" for name, reason in report.reasons_8bit.items()
+    )
+    return lines
 
 
 __all__ = ["DTYPE_RANGES", "AuditReport", "LayerAudit", "report_text"]

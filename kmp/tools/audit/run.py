@@ -31,6 +31,7 @@ DATA.npz` runs it on saved files. It works alike on Keras's TensorFlow, JAX
 and torch backends.
 """
 
+import re
 from typing import Callable
 from typing import Optional
 from typing import Union
@@ -231,6 +232,9 @@ def audit(
         for entry, call, dtype in zip(stats, low_probe.calls, dtypes)
     ]
     keep, reasons = audit_stats.suggest_float32(rows, max_relative_error)
+    full_moments, reasons_8bit = audit_stats.suggest_full_precision_moments(
+        rows
+    )
     max_gradient = None
     initial_scale = None
     if uses_float16 and y is not None:
@@ -254,7 +258,17 @@ def audit(
         reasons=reasons,
         suggested_initial_scale=initial_scale,
         max_gradient=max_gradient,
+        suggested_exclude_from_8bit=tuple(
+            _variable_pattern(name) for name in full_moments
+        ),
+        reasons_8bit=reasons_8bit,
     )
+
+
+def _variable_pattern(layer_name) -> str:
+    """The `exclude_from_8bit` pattern of a layer call's weights (their
+    paths start with the layer's name)."""
+    return "(^|/)" + re.escape(layer_name.split("#")[0]) + "/"
 
 
 def _row(entry, call, dtype) -> LayerAudit:

@@ -18,6 +18,7 @@ import numpy as np
 
 from kmp.core import loss_scale as _rule
 from kmp.tools import models
+from kmp.tools.audit import moments as audit_moments
 from kmp.tools.audit.report import DTYPE_RANGES
 from kmp.tools.audit.report import GRADIENT_HEADROOM
 from kmp.tools.audit.report import LayerAudit
@@ -71,6 +72,7 @@ class Stats:
         self.has_weight_gradient = False
         self.error = [0.0, 0.0, 0.0]  # |reference|^2, |end|^2, |local|^2
         self.local_non_finite = False
+        self.moments = audit_moments.Moments()
 
     def add_activations(self, reference, low, local, dtype):
         for ref, end, loc in zip(reference, low, local):
@@ -98,6 +100,7 @@ class Stats:
             self.gradient[0] += nonzero
             self.gradient[1] += unscaled
             self.gradient[2] += scaled
+        self.moments.add(weight_gradients)
         for gradient in weight_gradients:
             self.has_weight_gradient = True
             self._track_range(gradient)
@@ -150,6 +153,7 @@ class Stats:
             local_non_finite=self.local_non_finite,
             operation=inputs_from is not None,
             inputs_from=tuple(inputs_from or ()),
+            moments_8bit_error=self.moments.error(),
         )
 
 
@@ -175,6 +179,21 @@ def _relative(error_squared: float, reference_squared: float) -> float:
     if reference_squared == 0 or math.isinf(error_squared):
         return math.inf
     return math.sqrt(error_squared / reference_squared)
+
+
+def suggest_full_precision_moments(rows):
+    """The layers whose 8-bit moments would lose more than
+    `audit_moments.MAX_ERROR` of their Adam update, and why."""
+    names, reasons = [], {}
+    for row in rows:
+        error = row.moments_8bit_error
+        if error is not None and error > audit_moments.MAX_ERROR:
+            names.append(row.name)
+            reasons[row.name] = (
+                f"8-bit moments change its Adam update by {error:.1%} "
+                f"(more than {audit_moments.MAX_ERROR:.0%})"
+            )
+    return names, reasons
 
 
 def suggest_float32(rows, max_relative_error):
