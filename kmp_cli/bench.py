@@ -149,6 +149,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "what loss scaling costs",
     )
     parser.add_argument(
+        "--low-precision",
+        action="store_true",
+        help="also train bfloat16 weights with kmp.LowPrecisionOptimizer, "
+        "with 16-bit and with 8-bit optimizer state",
+    )
+    parser.add_argument(
         "--memory",
         action="store_true",
         help="measure each configuration's peak device memory (GPUs; JAX "
@@ -316,6 +322,7 @@ def run(args: argparse.Namespace) -> int:
         torch_amp=args.torch_amp,
         memory=args.memory,
         compilation_cache=_cache(args.compilation_cache),
+        low_precision=args.low_precision,
     )
     wall_seconds = time.perf_counter() - started
     print()
@@ -346,6 +353,7 @@ def run(args: argparse.Namespace) -> int:
             "warmup_steps": args.warmup,
             "native": args.native,
             "overhead": args.overhead,
+            "low_precision": args.low_precision,
             "torch_amp": args.torch_amp,
             "wall_seconds": wall_seconds,
         }

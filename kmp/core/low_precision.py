@@ -357,7 +357,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         self._decay(view, model_variable, learning_rate)
         with slots_8bit.views(self._located, index, _steps.slot_view) as pairs:
             type(inner).update_step(inner, gradient, view, learning_rate)
-        slots_8bit.write_back(self, pairs)
+        slots_8bit.write_back(self, pairs, _steps.nearest_code)
         if not view.written:
             return
         value = view.value

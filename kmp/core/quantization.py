@@ -57,8 +57,8 @@ def dynamic_code(signed: bool) -> np.ndarray:
     (signed: -1 is not one; the most negative is -0.993).
 
     >>> code = dynamic_code(signed=False)
-    >>> len(code), float(code[0]), float(code[1]), float(code[-1])
-    (256, 0.0, 5.5e-07, 1.0)
+    >>> len(code), float(code[0]), round(float(code[1]), 9), float(code[-1])
+    (256, 0.0, 3.25e-07, 1.0)
     >>> signed = dynamic_code(signed=True)
     >>> len(signed), round(float(signed[0]), 3), float(signed[-1])
     (256, -0.993, 1.0)
@@ -91,13 +91,14 @@ def blocks(size: int, block_size: int) -> int:
     return max(1, math.ceil(size / block_size))
 
 
-def quantize(value, signed: bool, block_size: int):
+def quantize(value, signed: bool, block_size: int, nearest=None):
     """`(codes, scales)` of a float32 tensor: `uint8` codes, flat and
     padded to whole blocks, and one float32 scale per block (the block's
     largest absolute value; 0 for a block of zeros).
 
-    A value divided by its block's scale is written as the nearest code
-    (`nearest_code`): computed, not searched for.
+    A value divided by its block's scale is written as the nearest code:
+    `nearest(normalized, signed)`, `nearest_code` by default (computed,
+    not searched for; each backend's package picks its fastest form).
     """
     flat = ops.reshape(ops.cast(value, "float32"), (-1,))
     size = flat.shape[0]
@@ -109,7 +110,8 @@ def quantize(value, signed: bool, block_size: int):
     scales = ops.max(ops.abs(grid), axis=1)
     divisor = ops.where(scales > 0, scales, ops.ones_like(scales))
     normalized = ops.reshape(grid / divisor[:, None], (-1,))
-    return ops.cast(nearest_code(normalized, signed), CODE_DTYPE), scales
+    nearest = nearest or nearest_code
+    return ops.cast(nearest(normalized, signed), CODE_DTYPE), scales
 
 
 def nearest_code(normalized, signed: bool):
@@ -165,6 +167,39 @@ def nearest_code(normalized, signed: bool):
     else:
         code = offset
     return ops.cast(code, "int32")
+
+
+# For a look-up of the nearest code (torch's, `kmp.core.torch.
+# low_precision.nearest_code`): the bits of a float32 below those its key
+# keeps. 8 of its mantissa's remain, so a key's values lie within 2**-8 of
+# each other, less than the code's smallest relative spacing (0.7%, near
+# 1): the nearest code changes at most once in a key's range.
+DROPPED_BITS = 15
+_KEYS = 2 ** (31 - DROPPED_BITS)
+
+
+@functools.lru_cache(maxsize=None)
+def code_tables(signed: bool):
+    """`(candidates, splits)`: for each key (the top bits of a
+    non-negative float32), the code nearest to the key's smallest value,
+    and the midpoint above which the next code is nearer (inf where that
+    is past the key's range)."""
+    table = dynamic_code(signed).astype(np.float64)
+    midpoints = (table[1:] + table[:-1]) / 2
+    keys = np.arange(_KEYS, dtype=np.int64)
+    with np.errstate(invalid="ignore"):  # Keys of inf and NaN: above 1.
+        low = (keys << DROPPED_BITS).astype(np.uint32).view(np.float32)
+        high = ((keys + 1) << DROPPED_BITS).astype(np.uint32)
+        high = high.view(np.float32).astype(np.float64)
+        low = np.nan_to_num(low.astype(np.float64), nan=1.0)
+        low, high = np.minimum(low, 1.0), np.nan_to_num(high, nan=2.0)
+    candidate = np.searchsorted(midpoints, low, side="left")
+    split = np.full(_KEYS, np.inf)
+    inside = candidate < len(midpoints)
+    following = midpoints[np.minimum(candidate, len(midpoints) - 1)]
+    inside &= following < np.minimum(high, 1.0)
+    split[inside] = following[inside]
+    return candidate.astype(np.int32), split.astype(np.float32)
 
 
 def dequantize(codes, scales, signed: bool, shape, block_size: int):
@@ -224,15 +259,22 @@ class QuantizedSlot:
         )
         return decode(value, self.name)
 
-    def encoded(self, value):
-        """`(codes, scales)` holding float32 `value`."""
+    def encoded(self, value, nearest=None):
+        """`(codes, scales)` holding float32 `value` (`nearest`: as for
+        `quantize`)."""
         return quantize(
-            encode(value, self.name), is_signed(self.name), self.block_size
+            encode(value, self.name),
+            is_signed(self.name),
+            self.block_size,
+            nearest,
         )
 
 
 __all__ = [
     "BLOCK_SIZE",
+    "DROPPED_BITS",
+    "code_tables",
+    "nearest_code",
     "QuantizedSlot",
     "CODE_DTYPE",
     "MIN_8BIT_SIZE",

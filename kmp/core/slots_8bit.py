@@ -218,10 +218,11 @@ def views(located, index, view_class):
             list.__setitem__(slot_list, index, slot.codes)
 
 
-def write_back(optimizer, pairs) -> None:
-    """Quantizes what the update wrote into each view's codes and scales."""
+def write_back(optimizer, pairs, nearest=None) -> None:
+    """Quantizes what the update wrote into each view's codes and scales
+    (`nearest`: the backend's form of `quantization.nearest_code`)."""
     for slot, view in pairs:
         if view.written:
-            codes, scales = slot.encoded(view.value)
+            codes, scales = slot.encoded(view.value, nearest)
             optimizer.assign(slot.codes, codes)
             optimizer.assign(slot.scales, scales)

@@ -48,6 +48,11 @@ SMOKE = {
 
 # Scripts that run on every backend (here on the one the suite runs on).
 EVERY_BACKEND = {
+    "eight_bit.py": (
+        "--quick --models digits --seeds 1 --no-memory --no-torchao"
+        " --output {tmp}/eight_bit.json".split(),
+        "bf16 + 8-bit state",
+    ),
     "step_costs.py": (
         "--sizes 4 --steps 1 --time-steps 2 --time-repeats 1 --loops loop"
         " --output {tmp}/step_costs.json".split(),

@@ -389,7 +389,7 @@ def test_without_steps_the_run_follows_the_budget(tmp_path):
     assert result["rounds"] == 5
 
 
-def test_a_gpu_model_with_the_loss_scaling_overhead():
+def test_a_gpu_model_with_the_loss_scaling_overhead_and_low_precision():
     code, output = _run_cli(
         [
             "bench",
@@ -406,14 +406,17 @@ def test_a_gpu_model_with_the_loss_scaling_overhead():
             "--loops",
             "custom",
             "--overhead",
+            "--low-precision",
             "--no-torch-amp",
             "--quiet",
         ]
     )
     assert code == 0
     tables = _tables(output)
-    # kmp, native Keras 3, no loss scaling.
-    assert [len(rows) for _, rows in tables] == [1, 1, 1]
+    # kmp, native Keras 3, no loss scaling; bfloat16 weights with 16-bit
+    # and 8-bit state.
+    assert [len(rows) for _, rows in tables] == [1, 1, 1, 2]
+    assert bench_report.STATE_COLUMN in tables[3][0]
     assert bench_report.OVERHEAD_COLUMN in tables[0][0]
     assert "model cnn, batch size 8" in output
 

@@ -152,3 +152,29 @@ def test_a_non_negative_slot_is_kept_as_its_root():
     momentum = ops.convert_to_tensor(np.array([-1.0, 2.0], np.float32))
     assert q.encode(momentum, "momentum") is momentum
     assert q.is_signed("momentum") and not q.is_signed("velocity_hat")
+
+
+@pytest.mark.torch
+def test_torchs_look_up_finds_the_same_nearest_codes():
+    from kmp.core.torch import low_precision as torch_low_precision
+
+    rng = np.random.default_rng(7)
+    value = rng.uniform(-1, 1, size=50_000) * 10.0 ** -rng.integers(
+        0, 9, size=50_000
+    )
+    value = np.concatenate([value, [0.0, 1.0, -1.0, 1e-30, 0.99999]])
+    value = value.astype(np.float32)
+    for signed in (True, False):
+        v = value if signed else np.abs(value)
+        got = ops.convert_to_numpy(
+            torch_low_precision.nearest_code(ops.convert_to_tensor(v), signed)
+        )
+        want = ops.convert_to_numpy(
+            q.nearest_code(ops.convert_to_tensor(v), signed)
+        )
+        table = q.dynamic_code(signed).astype(np.float64)
+        # The same code, or one as near (a value on a midpoint).
+        np.testing.assert_allclose(
+            np.abs(v - table[got]), np.abs(v - table[want]), rtol=0, atol=1e-7
+        )
+        assert np.mean(got == want) > 0.9999

@@ -66,12 +66,12 @@ def results(tmp_path_factory):
     return loaded
 
 
-def _one_process(recipe, halves, inject_fault):
+def _one_process(recipe, halves, inject_fault, eight_bit=False):
     """The reference: one process, on each whole batch, or (`halves`) on
     its two halves with their gradients averaged as DDP averages them."""
     kmp.set_global_policy("mixed_float16")
     model = dd.model()
-    optimizer = dd.optimizer()
+    optimizer = dd.optimizer(eight_bit=eight_bit)
     optimizer.build(model.trainable_variables)
 
     def gradients_of(rows):
@@ -138,15 +138,25 @@ def test_training_equals_one_process_on_the_whole_batch(results, scenario):
     recipe = worker.recipe_of(scenario)
     inject = scenario == worker.AGREED
     distributed = results[0]["states"][scenario]
+    eight_bit = worker.is_eight_bit(scenario)
+    if eight_bit:  # The codes are there.
+        names = [v.path for v in _eight_bit_variables()]
+        assert any(name.endswith("_8bit") for name in names)
     # The same arithmetic on one process: bit for bit.
-    halves = _one_process(recipe, True, inject)
+    halves = _one_process(recipe, True, inject, eight_bit)
     for step, (a, b) in enumerate(zip(distributed, halves)):
         dd.assert_equal_bit_for_bit(a, b, f"{scenario}, after step {step}")
     # The whole batch at once: the same steps skipped and scales, exactly;
     # weights and slots as close as float16 rounding allows.
-    whole = _one_process(recipe, False, inject)
+    whole = _one_process(recipe, False, inject, eight_bit)
     for step, (a, b) in enumerate(zip(distributed, whole)):
         dd.assert_close(a, b, f"{scenario}, after step {step}")
+
+
+def _eight_bit_variables():
+    optimizer = dd.optimizer(eight_bit=True)
+    optimizer.build(dd.model().trainable_variables)
+    return optimizer.inner_optimizer.variables
 
 
 def test_agree_leaves_the_flags_alone_in_a_single_process():

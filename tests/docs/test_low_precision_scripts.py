@@ -26,6 +26,8 @@ pytestmark = pytest.mark.xdist_group("low_precision_scripts")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GUIDE = ["guides/bfloat16_weights.py"]
+# On every backend: it uses Keras's API only.
+EIGHT_BIT_GUIDE = ["guides/eight_bit_state.py"]
 BENCHMARK = [
     "benchmarks/bf16_all_the_way.py",
     "--quick",
@@ -57,6 +59,7 @@ def _environment(directory):
 def _start_scripts(tmp_path_factory):
     environment = _environment(tmp_path_factory.mktemp("bf16"))
     scripts = [GUIDE, BENCHMARK] if backends.TENSORFLOW else [BENCHMARK]
+    scripts.append(EIGHT_BIT_GUIDE)
     for command in scripts:
         _running[command[0]] = subprocess.Popen(
             [sys.executable, *command],
@@ -137,6 +140,32 @@ def test_guide_reloads_bfloat16_slots(guide):
         in guide
     )
     assert "float16 recipe: LowPrecisionOptimizer" in guide
+
+
+def test_eight_bit_guide_shows_the_bytes_and_the_same_accuracy():
+    out = _output(EIGHT_BIT_GUIDE)
+    assert "float32 Adam: 12.00 B/parameter" in out
+    assert "bfloat16 + 8-bit state: 4.03 B/parameter" in out
+    assert "values of the code: 256" in out
+    assert "between 0.1 and 1: 129 of them" in out
+    assert "optimizer: LowPrecisionOptimizer 8bit stochastic" in out
+    rows = {
+        name.strip(): (float(accuracy), float(per_parameter))
+        for name, accuracy, per_parameter in re.findall(
+            r"(.+): test accuracy ([\d.]+)%; .*weights \+ state ([\d.]+) "
+            "bytes per trainable parameter",
+            out,
+        )
+    }
+    assert rows["float32 Adam"][1] == 12.0
+    assert 4.0 < rows["8-bit"][1] < 4.2
+    pretrained = float(re.search(r"pretrained: test accuracy ([\d.]+)", out)[1])
+    for name in ("float32 Adam", "8-bit"):
+        assert rows[name][0] > pretrained  # Fine-tuning helped.
+    assert abs(rows["8-bit"][0] - rows["float32 Adam"][0]) <= 2.0
+    assert re.search(r"8-bit slots: [1-9]", out)
+    assert "every layer's Adam update stays within" in out
+    assert "float16 recipe: LowPrecisionOptimizer" in out
 
 
 def test_benchmark_quick_run_prints_tables_and_goals():

@@ -10,7 +10,8 @@ float32 reference"; `kmp.LowPrecisionOptimizer`: float32 variables are
 error the user's call raises instead.
 
 The configurations: `lso_<knobs>` (each knob set of `KNOBS`), `lpo_<rounding>`
-(each rounding), `fused_adam`, two wrappers nested (the outer one first:
+(each rounding), `lpo_8bit` and `lso_lpo_8bit` (8-bit moments),
+`fused_adam`, two wrappers nested (the outer one first:
 `lso_lpo_<rounding>`, float16 weights with each rounding; the reverse orders
 are refused), `convert_<policy>` (convert's result) and `compile_auto`
 (compile's auto-wrap); for the callbacks' cells also `lso_accumulating`
@@ -81,6 +82,19 @@ def lso(inner=adam, **knobs):
 def lpo(rounding, inner=adam, seed=1, slot_dtype=None):
     return lambda: kmp.LowPrecisionOptimizer(
         inner(), rounding, slot_dtype, seed
+    )
+
+
+def lpo_8bit(rounding, seed=1):
+    """8-bit moments on every variable of the cells' small models (blocks
+    of 8 elements: several blocks and padding)."""
+    return lambda: kmp.LowPrecisionOptimizer(
+        adam(),
+        rounding,
+        slot_dtype="8bit",
+        seed=seed,
+        block_size=8,
+        min_8bit_size=1,
     )
 
 
@@ -206,6 +220,15 @@ WRAPPERS = [
         "lso_lpo_nearest",
         "float16",
         lso(lpo("nearest"), **KNOBS["growth"]),
+        skips=True,
+    ),
+    # 8-bit optimizer state: bfloat16 weights, and float16 weights under
+    # loss scaling.
+    Wrapper("lpo_8bit", "bfloat16", lpo_8bit("stochastic")),
+    Wrapper(
+        "lso_lpo_8bit",
+        "float16",
+        lso(lpo_8bit("kahan"), **KNOBS["growth"]),
         skips=True,
     ),
     Wrapper(

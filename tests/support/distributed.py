@@ -64,11 +64,18 @@ def model():
     return result
 
 
-def optimizer(**kwargs):
+def optimizer(eight_bit=False, **kwargs):
     """A dynamic scale from 8 that grows after 2 finite steps in a row
-    (unless `kwargs` say otherwise)."""
+    (unless `kwargs` say otherwise), around Adam, or with `eight_bit`
+    around `kmp.LowPrecisionOptimizer(Adam, slot_dtype="8bit")` whose
+    first kernel (32 elements) has 8-bit moments in 2 blocks."""
     settings = {"initial_scale": 8, "dynamic_growth_steps": 2, **kwargs}
-    return kmp.LossScaleOptimizer(keras.optimizers.Adam(0.01), **settings)
+    inner = keras.optimizers.Adam(0.01)
+    if eight_bit:
+        inner = kmp.LowPrecisionOptimizer(
+            inner, slot_dtype="8bit", block_size=16, min_8bit_size=32, seed=0
+        )
+    return kmp.LossScaleOptimizer(inner, **settings)
 
 
 def rows(step, process=None):
@@ -150,6 +157,8 @@ def assert_close(state, other, what):
             a, b, rtol=0, atol=WEIGHTS_ATOL, err_msg=f"{what}: weight {index}"
         )
     for index, (a, b) in enumerate(zip(state["inner"], other["inner"])):
+        # As float64: 8-bit codes (uint8) would wrap around when subtracted.
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         atol = SLOTS_RTOL * float(np.max(np.abs(b)))
         np.testing.assert_allclose(
             a, b, rtol=0, atol=atol, err_msg=f"{what}: slot {index}"

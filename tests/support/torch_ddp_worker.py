@@ -35,8 +35,8 @@ from tests.support import distributed as dd  # noqa: E402
 # first step), or an all-reduce by hand after which process 1 writes an inf
 # into its gradient, with the check agreed across the processes (as a
 # sharded optimizer needs) by an optimizer that records which gradients
-# were not finite.
-SCENARIOS = ("ddp", "ddp_keras_recipe", "all_reduce")
+# were not finite. `ddp_8bit`: DDP with 8-bit optimizer state.
+SCENARIOS = ("ddp", "ddp_keras_recipe", "all_reduce", "ddp_8bit")
 RECORDS_NONFINITE = "all_reduce"
 AGREED = "all_reduce"
 
@@ -46,6 +46,10 @@ def bad_steps(scenario):
     if scenario == AGREED:
         return {dd.DATA_FAULT_STEP, dd.GRADIENT_FAULT_STEP}
     return {dd.DATA_FAULT_STEP}
+
+
+def is_eight_bit(scenario):
+    return scenario.endswith("8bit")
 
 
 def recipe_of(scenario):
@@ -94,7 +98,10 @@ def train(model, optimizer, recipe, gradients, inject_fault):
 def run_scenario(scenario, rank):
     kmp.set_global_policy("mixed_float16")
     model = dd.model()
-    optimizer = dd.optimizer(record_nonfinite=scenario == RECORDS_NONFINITE)
+    optimizer = dd.optimizer(
+        eight_bit=is_eight_bit(scenario),
+        record_nonfinite=scenario == RECORDS_NONFINITE,
+    )
     optimizer.build(model.trainable_variables)
     recipe = recipe_of(scenario)
     if scenario == AGREED:

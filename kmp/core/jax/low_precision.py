@@ -6,6 +6,7 @@ from kmp.core.step import low_precision as shared
 update_variable = shared.update_variable
 view = shared.view
 slot_view = shared.slot_view
+nearest_code = shared.nearest_code
 
 
 def apply_update(optimizer, grads, variables):

@@ -8,6 +8,7 @@ float32 stand-in is `kmp.core.rounding.Float32View` (TensorFlow's are in
 """
 
 from kmp.core import borrow
+from kmp.core import quantization
 from kmp.core import rounding
 
 
@@ -33,7 +34,15 @@ def view(optimizer, variable, model_variable, compensation, dtype):
     return rounding.Float32View(model_variable, compensation, dtype)
 
 
-# The float32 stand-in for an 8-bit slot.
+# The float32 stand-in for an 8-bit slot, and how a value finds its code
+# (elementwise: XLA fuses it, on JAX and TensorFlow).
 slot_view = rounding.DequantizedView
+nearest_code = quantization.nearest_code
 
-__all__ = ["routed_update", "slot_view", "update_variable", "view"]
+__all__ = [
+    "nearest_code",
+    "routed_update",
+    "slot_view",
+    "update_variable",
+    "view",
+]

@@ -16,6 +16,7 @@ import functools
 
 from kmp.core import backend
 from kmp.core import borrow
+from kmp.core import quantization
 from kmp.core import rounding
 from kmp.core.tensorflow import apply as tf_apply
 from kmp.core.tensorflow import rounding as tf_rounding
@@ -73,8 +74,10 @@ def update_variable(optimizer, gradient, learning_rate, variable, index):
     )
 
 
-# The float32 stand-in for an 8-bit slot.
+# The float32 stand-in for an 8-bit slot, and how a value finds its code
+# (elementwise: XLA fuses it; TensorFlow's graph runs it as it is).
 slot_view = tf_rounding.DequantizedView
+nearest_code = quantization.nearest_code
 
 
 def view(optimizer, variable, model_variable, compensation, dtype):

@@ -10,13 +10,17 @@ steps did; the backend's module (`kmp.tools.bench.tensorflow`, `jax`,
 * `"unscaled"`: plain Adam under a float16 policy, no loss scaling (the
   reference for what loss scaling costs);
 * `"torch"`: plain PyTorch AMP on the same network (`bench.torch`);
-  `"torch_unscaled"`: the same without `GradScaler`.
+  `"torch_unscaled"`: the same without `GradScaler`;
+* `"state16"`, `"state8"` (under `"bfloat16"`): bfloat16 weights with
+  `kmp.LowPrecisionOptimizer(Adam, "stochastic")`, its moments in bfloat16
+  or in 8 bits (`slot_dtype="8bit"`).
 """
 
 import importlib
 import math
 
 import keras
+import ml_dtypes
 import numpy as np
 
 import kmp
@@ -24,7 +28,18 @@ from kmp.core import backend
 from kmp.tools.bench import models as bench_models
 from kmp.tools.bench.report import LOOP_WORDS
 
-IMPLEMENTATIONS = ("kmp", "native", "unscaled", "torch", "torch_unscaled")
+IMPLEMENTATIONS = (
+    "kmp",
+    "native",
+    "unscaled",
+    "torch",
+    "torch_unscaled",
+    "state16",
+    "state8",
+)
+# The low-precision state configurations and their policy.
+STATE_IMPLEMENTATIONS = ("state16", "state8")
+STATE_POLICY = "bfloat16"
 _MODULES = {
     "tensorflow": "kmp.tools.bench.tensorflow",
     "jax": "kmp.tools.bench.jax",
@@ -44,8 +59,14 @@ def needs_loss_scaling(policy: str) -> bool:
 
 def _bytes(variables) -> int:
     return sum(
-        math.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables
+        math.prod(v.shape) * np.dtype(_numpy_dtype(v.dtype)).itemsize
+        for v in variables
     )
+
+
+def _numpy_dtype(dtype):
+    name = keras.backend.standardize_dtype(dtype)
+    return getattr(ml_dtypes, name, name)
 
 
 class Configuration:
@@ -84,6 +105,13 @@ class Configuration:
         inner = keras.optimizers.Adam(learning_rate=spec.learning_rate)
         if on_torch_amp:
             self.optimizer = None
+        elif implementation in STATE_IMPLEMENTATIONS:
+            self.optimizer = kmp.LowPrecisionOptimizer(
+                inner,
+                "stochastic",
+                slot_dtype="8bit" if implementation == "state8" else None,
+                seed=0,
+            )
         elif not self.loss_scaled:
             self.optimizer = inner
         elif implementation == "kmp":

@@ -14,6 +14,8 @@ import gc
 import time
 
 from kmp.core import backend
+from kmp.tools.bench.configuration import STATE_IMPLEMENTATIONS
+from kmp.tools.bench.configuration import STATE_POLICY
 from kmp.tools.bench.configuration import needs_loss_scaling
 from kmp.tools.bench.stats import MIN_ROUND_STEPS
 from kmp.tools.bench.stats import MIN_ROUNDS
@@ -34,11 +36,18 @@ def _amp_policy(policy, device):
 
 
 def plan_configurations(
-    policies, loops, native, overhead, torch_amp, device="gpu"
+    policies,
+    loops,
+    native,
+    overhead,
+    torch_amp,
+    device="gpu",
+    low_precision=False,
 ):
     """`(policy, loop, implementation)` of every configuration, in order:
     kmp's, Keras's loss scaling, no loss scaling, plain PyTorch AMP (its
-    custom loop only; on torch only; float16 on a GPU only)."""
+    custom loop only; on torch only; float16 on a GPU only), and with
+    `low_precision` bfloat16 weights with 16-bit and 8-bit state."""
     scaled = [p for p in policies if needs_loss_scaling(p)]
     plan = [(p, loop, "kmp") for p in policies for loop in loops]
     if native:
@@ -51,6 +60,12 @@ def plan_configurations(
         if overhead:
             unscaled = [p for p in amp if p in scaled]
             plan += [(p, "custom", "torch_unscaled") for p in unscaled]
+    if low_precision:
+        plan += [
+            (STATE_POLICY, loop, implementation)
+            for implementation in STATE_IMPLEMENTATIONS
+            for loop in loops
+        ]
     return plan
 
 

@@ -71,7 +71,16 @@ _TABLES = (
         "torch.optim.Adam; speed-up vs its own float32):",
         ("kmp_over_torch", TORCH_RATIO_COLUMN),
     ),
+    (
+        ("state16", "state8"),
+        "\nbfloat16 weights, kmp.LowPrecisionOptimizer(Adam, stochastic "
+        "rounding), with 16-bit and with 8-bit moments (state: weights and "
+        "optimizer state):",
+        None,
+    ),
 )
+_STATE_WORDS = {"state16": ", 16-bit state", "state8": ", 8-bit state"}
+STATE_COLUMN = "state (MB)"
 FLOAT16_FUSION_NOTE = (
     "float16 configurations ran with TensorFlow's op fusion ('remapping') "
     "off: on CPUs its fused float16 MatMul + BiasAdd kernel is far slower "
@@ -123,6 +132,7 @@ def _format_row(result, ratio, extra):
     policy = result["policy"]
     if result["implementation"] == "torch_unscaled":
         policy += ", no GradScaler"
+    policy += _STATE_WORDS.get(result["implementation"], "")
     cells = [
         policy,
         result["loop"],
@@ -139,6 +149,8 @@ def _format_row(result, ratio, extra):
         cells.append(format_ratio(result, "loss_scaling_overhead", "{:+.1%}"))
     if MEMORY_COLUMN in extra:
         cells.append(optional(result.get("peak_memory_mb"), "{:.1f}"))
+    if STATE_COLUMN in extra:
+        cells.append(optional(result.get("state_mb"), "{:.1f}"))
     if ratio is not None:
         cells.append(format_ratio(result, ratio[0]))
     return cells
@@ -176,6 +188,8 @@ def format_table(results: Sequence[Dict]) -> str:
         extra.append(OVERHEAD_COLUMN)
     if any(r.get("peak_memory_mb") is not None for r in results):
         extra.append(MEMORY_COLUMN)
+    if any(r["implementation"] in _STATE_WORDS for r in results):
+        extra.append(STATE_COLUMN)
     parts = []
     for implementations, title, ratio in _TABLES:
         rows = [r for r in results if r["implementation"] in implementations]

@@ -227,6 +227,7 @@ def _result(configuration, data, spec, warmed, device):
         **{key: None for key in RATIOS},
         **{f"{key}_ci": None for key in RATIOS},
         "peak_memory_mb": None if peak is None else peak / 2**20,
+        "state_mb": configuration.state_bytes() / 2**20,
         "final_loss": _cross_entropy(train_probabilities, y_train),
         "test_accuracy": accuracy,
         "losses": list(configuration.losses),
@@ -323,6 +324,7 @@ def run_benchmark(
     torch_amp: bool = True,
     memory: bool = False,
     compilation_cache: Union[str, bool] = True,
+    low_precision: bool = False,
 ) -> List[Dict]:
     """Trains `model` under each policy and loop, and times it.
 
@@ -365,6 +367,9 @@ def run_benchmark(
         compilation_cache: On JAX, where compiled steps are kept between
             runs: True for `bench.jax.compilation_cache_dir()`, a folder,
             or False for no cache. A folder JAX was already given is kept.
+        low_precision: Also train bfloat16 weights with
+            `kmp.LowPrecisionOptimizer`, with bfloat16 moments (`state16`)
+            and 8-bit moments (`state8`).
 
     Returns:
         One dict per configuration, in the order of `plan_configurations`.
@@ -377,10 +382,10 @@ def run_benchmark(
         training set after training), `test_accuracy` (a fraction),
         `losses` (every step's batch loss, untimed steps included),
         `loss_scales`, `final_loss_scale`, `skipped_steps` (None without
-        loss scaling), and the settings `batch_size`, `units`,
-        `learning_rate`, `warmup_steps`, `rounds`, `blocks_per_round`,
-        `steps`, `build_seconds`, `first_call_seconds`, `warmup_seconds`,
-        `warmup_ms`.
+        loss scaling), `state_mb` (weights and optimizer state), and the
+        settings `batch_size`, `units`, `learning_rate`, `warmup_steps`,
+        `rounds`, `blocks_per_round`, `steps`, `build_seconds`,
+        `first_call_seconds`, `warmup_seconds`, `warmup_ms`.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -430,7 +435,7 @@ def run_benchmark(
     x_train, _, y_train, _ = data
     batches = bench_models.Batches(x_train, y_train, spec.batch_size)
     plan = plan_configurations(
-        policies, loops, native, overhead, torch_amp, device
+        policies, loops, native, overhead, torch_amp, device, low_precision
     )
     progress = _Progress(verbose)
     progress.say(

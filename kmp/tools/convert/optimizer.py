@@ -6,9 +6,10 @@ half a unit in the last place vanish and training stalls. `convert` to
 `"bfloat16"` therefore compiles the copy of a compiled model with its
 optimizer wrapped in `kmp.LowPrecisionOptimizer` (Kahan compensation by
 default; `rounding="stochastic"`; `slot_dtype="bfloat16"` halves the
-slots too). `rounding=None` keeps Keras's plain update. The copy's compile
-config names the wrapper, so `model.save` and `keras.models.load_model`
-bring it back with all its state.
+slots too, `"8bit"` quarters those of large variables). `rounding=None`
+keeps Keras's plain update. The copy's compile config names the wrapper,
+so `model.save` and `keras.models.load_model` bring it back with all its
+state.
 """
 
 import numbers
@@ -19,7 +20,8 @@ from kmp.core import low_precision
 
 DEFAULT = object()  # `rounding` not passed
 ROUNDINGS = ("kahan", "stochastic", "nearest")
-SLOT_DTYPES = ("bfloat16", "float16", "float32")  # as LowPrecisionOptimizer
+# As LowPrecisionOptimizer's.
+SLOT_DTYPES = (*low_precision.SLOT_DTYPES, "8bit")
 
 
 def check(policy, rounding, slot_dtype, seed) -> bool:

@@ -554,3 +554,53 @@ def test_progress_into_a_file_prints_each_bar_once(capsys):
     assert f"{steps}/{steps} - " in output
     assert output.count("2/2 - ") == 1  # The configurations' bar.
     assert "\r" not in output and "\b" not in output
+
+
+# --- Low-precision state (--low-precision) ------------------------------------
+
+
+def test_plan_adds_bfloat16_weights_with_16_and_8_bit_state():
+    plan = bench.plan_configurations(
+        ["float32"],
+        ["fit", "custom"],
+        native=False,
+        overhead=False,
+        torch_amp=False,
+        low_precision=True,
+    )
+    assert plan == [
+        ("float32", "fit", "kmp"),
+        ("float32", "custom", "kmp"),
+        ("bfloat16", "fit", "state16"),
+        ("bfloat16", "custom", "state16"),
+        ("bfloat16", "fit", "state8"),
+        ("bfloat16", "custom", "state8"),
+    ]
+
+
+def test_low_precision_rows_train_and_report_their_state():
+    # 64 units: the 64x64 kernel (4096 elements) gets 8-bit moments.
+    results = bench.run_benchmark(
+        ["float32"],
+        ["custom"],
+        steps=100,
+        warmup_steps=1,
+        native=False,
+        torch_amp=False,
+        low_precision=True,
+        batch_size=8,
+        units=64,
+        verbose=False,
+    )
+    state = {r["implementation"]: r["state_mb"] for r in results}
+    assert state["state8"] < state["state16"] < 0.6 * state["kmp"]
+    for r in results:
+        assert r["final_loss"] > 0 and r["speedup_vs_float32"] > 0
+    text = bench_report.format_table(results)
+    assert "with 16-bit and with 8-bit moments" in text
+    header, rows = _tables(text)[-1]
+    assert bench_report.STATE_COLUMN in header
+    assert [row["policy"] for row in rows] == [
+        "bfloat16, 16-bit state",
+        "bfloat16, 8-bit state",
+    ]
