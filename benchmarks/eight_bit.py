@@ -14,6 +14,10 @@ same weights on the same batches and reports, per configuration:
   final loss within 2% of float32 Adam's);
 * the median step time of `train_on_batch` (which waits for the step), as
   a ratio to float32 Adam's, measured in the same process;
+* the process's peak resident size while the configuration is built and
+  trained, above its size before (Linux's VmHWM, reset through
+  /proc/self/clear_refs; the configurations run one after another in one
+  process, so memory an earlier one freed may be reused, not counted);
 * the peak process memory of training a 42M-parameter MLP (2048-4096-
   4096-4096-10, batch 16), each configuration in a process of its own:
   the peak resident size during 3 steps after the first (compiling) one
@@ -130,6 +134,8 @@ def train(model_name, configuration, seed, epochs, quick):
 
     spec = bench_models.model_spec(model_name, "tiny" if quick else "small")
     x_train, x_test, y_train, y_test = bench_models.load_data(spec)
+    before = _rss_bytes()
+    reset = _reset_peak()
     keras.utils.set_random_seed(seed)
     model = bench_models.build_model(spec, _policy(configuration))
     optimizer = _optimizer(configuration, spec.learning_rate, seed)
@@ -155,7 +161,9 @@ def train(model_name, configuration, seed, epochs, quick):
         model.train_on_batch(*batch)  # Returns NumPy: waits for the step.
         times.append(time.perf_counter() - started)
     total, parameters = state_bytes(model, optimizer)
+    peak = _peak_bytes() if reset else None
     return {
+        "peak_rss_mb": None if peak is None else (peak - before) / 2**20,
         "model": model_name,
         "configuration": configuration,
         "seed": seed,
@@ -446,7 +454,7 @@ def summarize(output=None):
         json.loads(path.read_text())
         for path in sorted((RESULTS / "eight_bit").glob("*.json"))
     ]
-    bytes_, accuracy, loss, speed, peak, side = ([] for _ in range(6))
+    bytes_, accuracy, loss, speed, peak, side, rss = ([] for _ in range(7))
     for document in documents:
         backend, records = document["backend"], document["records"]
         for model in MODELS:
@@ -486,6 +494,16 @@ def summarize(output=None):
                             "series": series,
                             "value": _mean(ratios),
                             "range": [min(ratios), max(ratios)],
+                        }
+                    )
+                peaks = [r["peak_rss_mb"] for r in rows if r.get("peak_rss_mb")]
+                if peaks:
+                    rss.append(
+                        {
+                            "group": group,
+                            "series": series,
+                            "value": _mean(peaks),
+                            "range": [min(peaks), max(peaks)],
                         }
                     )
                 ratios = [
@@ -553,6 +571,13 @@ def summarize(output=None):
             "decimals": 2,
             "better": "lower",
             "measurements": speed,
+        },
+        {
+            "caption": "Peak process memory growth (MB) while training",
+            "unit": "MB",
+            "decimals": 0,
+            "better": "lower",
+            "measurements": rss,
         },
         {
             "caption": "Peak process memory growth (MB), 42M-parameter MLP",

@@ -24,7 +24,9 @@ By default the inner optimizer's slots (Adam's moments, momentum) are in
 each variable's dtype, except float16 variables', which are float32: Adam's
 second moment, a squared gradient, underflows float16.
 `slot_dtype="bfloat16"` keeps every slot in bfloat16 while its arithmetic
-stays float32, for float32 (mixed-precision) variables too. Float32
+stays float32, for float32 (mixed-precision) variables too;
+`slot_dtype="8bit"` keeps the moments of Adam, AdamW, Lion and SGD in one
+byte per element with a scale per block (`kmp.core.slots_8bit`). Float32
 variables are written back exactly: with them and the default `slot_dtype`,
 results are the inner optimizer's, bit for bit.
 

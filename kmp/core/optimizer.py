@@ -33,8 +33,8 @@ from kmp.core.optimizer_state import read_value
 from kmp.core.step import common as steps
 from kmp.core.step import stateless
 
-# The one place the step's backend is picked (and `unscale_gradients` and
-# `agree`, which `stateless_apply` takes on torch).
+# The one place the step's backend is picked (and `unscale_gradients`,
+# `agree` and `choose`, which `stateless_apply` takes on torch).
 _STATELESS_HOOKS = {}
 if backend.is_torch():
     from kmp.core.torch import distributed as torch_distributed
@@ -43,6 +43,7 @@ if backend.is_torch():
     _STATELESS_HOOKS = {
         "unscale": torch_step.unscale_gradients,
         "agree": torch_distributed.agree,
+        "choose": torch_step.choose,
     }
 if backend.is_tensorflow():
     from kmp.core.tensorflow import apply as tf_apply

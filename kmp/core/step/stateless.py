@@ -40,10 +40,14 @@ def apply(
     report=True,
     unscale=scaling.unscale_gradients,
     agree=None,
+    choose=None,
 ):
     """See `LossScaleOptimizer.stateless_apply`; `report=False` leaves the
     persistent-skips report to the caller; `unscale` and `agree` are the
-    backend's, as `kmp.core.step.common.prepare` takes them."""
+    backend's, as `kmp.core.step.common.prepare` takes them, and so is
+    `choose(apply_ok, applied, skipped)`, which runs one of the two and
+    returns its `(new trainable values, new inner values)` (`choose`
+    here: JAX's; torch's is `kmp.core.torch.step.choose`)."""
     if not optimizer.built:
         raise ValueError(
             "To call stateless_apply, the optimizer must be built (its "
@@ -99,19 +103,7 @@ def apply(
     def skipped():
         return list(trainable_variables), list(inner_values)
 
-    if backend.is_torch():
-        # Keras's torch optimizers update the values they are given in
-        # place, also in a StatelessScope: decided first (torch's one read
-        # of the device in a step, as kmp.core.torch.step).
-        chosen = applied if bool(ops.convert_to_numpy(apply_ok)) else skipped
-        new_trainable, new_inner = chosen()
-    elif jax_tracing.any_tracer([apply_ok]):
-        # Traced (jax.jit, fit): the inner update in a branch of its own.
-        new_trainable, new_inner = ops.cond(apply_ok, applied, skipped)
-    else:
-        # Run eagerly, op by op, as the inner optimizer's own; then chosen
-        # on the device, without a read (a cond would compile the update).
-        new_trainable, new_inner = select(apply_ok, applied(), skipped())
+    new_trainable, new_inner = (choose or _choose)(apply_ok, applied, skipped)
 
     with StatelessScope(state_mapping=mapping) as scope:
         in_a_row = optimizer.update_state(
@@ -122,6 +114,16 @@ def apply(
     if report:
         _report(optimizer, in_a_row, scale)
     return new_trainable, new_own + new_inner
+
+
+def _choose(apply_ok, applied, skipped):
+    """JAX's way to apply or skip (`apply`'s `choose`)."""
+    if jax_tracing.any_tracer([apply_ok]):
+        # Traced (jax.jit, fit): the inner update in a branch of its own.
+        return ops.cond(apply_ok, applied, skipped)
+    # Run eagerly, op by op, as the inner optimizer's own; then chosen on
+    # the device, without a read (a cond would compile the update).
+    return select(apply_ok, applied(), skipped())
 
 
 def select(condition, when_true, when_false):

@@ -68,6 +68,15 @@ def unscale(grads, scale, keep=()):
     return result
 
 
+def choose(apply_ok, applied, skipped):
+    """How `stateless_apply` applies or skips on torch
+    (`kmp.core.step.stateless.apply`'s `choose`): Keras's torch optimizers
+    update the values they are given in place, also in a StatelessScope,
+    so the step is decided first (its one read of the device, as
+    `apply`'s)."""
+    return (applied if bool(apply_ok) else skipped)()
+
+
 def unscale_gradients(gradients, scale, keep=()):
     """`kmp.core.scaling.unscale_gradients`, with `unscale`'s multi-tensor
     ops where every gradient is a torch tensor (or None) and `scale` a
