@@ -447,6 +447,32 @@ def _rows(records, model, configuration):
     ]
 
 
+# What the tables do not say by themselves (kept with the script that
+# writes them; checked against the numbers when they are regenerated).
+NOTES = [
+    "The goal on bytes is met: bfloat16 weights with 8-bit moments keep "
+    "0.336x (digits) and 0.337x (transformer) of float32 Adam's weights "
+    "and state, on every backend.",
+    "The peak process memory is not lower: on this CPU the 42M-parameter "
+    "MLP's peak is higher with 8-bit state than with float32 Adam on every "
+    "backend, though its state is a third. Each large variable's update "
+    "runs in float32 (the inner optimizer's own arithmetic on the "
+    "dequantized slots), and the float32 temporaries of one 4096x4096 "
+    "variable's update (its dequantized moments, their new values before "
+    "they are written back to 8 bits, the codes' intermediate arrays) are "
+    "several times the state saved. Updating a large variable in chunks of "
+    "blocks would bound them: not done yet.",
+    "On the transformer, bfloat16 weights change the loss after one epoch "
+    "alike with 16-bit and with 8-bit state (JAX -24%, torch -6%, "
+    "TensorFlow +10% against float32); 8-bit state on float32 weights "
+    "stays within 0.1% of float32 Adam on every backend: what moves the "
+    "loss is the weights' precision, not the state's.",
+    "JAX's file was measured while other work shared the two cores: its "
+    "step-time ratios are noisier than torch's and TensorFlow's. torch's "
+    "has no peak per configuration (measured before that column).",
+]
+
+
 def summarize(output=None):
     """Writes the docs' file (kmp-benchmark-results/1) from every
     backend's file in `results/eight_bit/`."""
@@ -467,8 +493,8 @@ def summarize(output=None):
                 series = configuration
                 bytes_.append(
                     {
-                        "group": group,
-                        "series": series,
+                        "group": configuration,
+                        "series": group,
                         "value": rows[0]["state_bytes"]
                         / base[0]["state_bytes"],
                     }
@@ -490,8 +516,8 @@ def summarize(output=None):
                     ]
                     loss.append(
                         {
-                            "group": backend,
-                            "series": series,
+                            "group": configuration,
+                            "series": backend,
                             "value": _mean(ratios),
                             "range": [min(ratios), max(ratios)],
                         }
@@ -526,13 +552,17 @@ def summarize(output=None):
                 }
             )
         for row in document.get("torch_side_by_side") or ():
-            side.append(
-                {
-                    "group": "final loss (mean of the last 20 steps)",
-                    "series": row["optimizer"],
-                    "value": row["final_loss"],
-                }
-            )
+            losses = row["losses"]
+            for first, last in ((1, 16), (17, 64), (65, 300)):
+                window = losses[first - 1 : last]
+                if window:
+                    side.append(
+                        {
+                            "group": f"mean loss, steps {first}-{last}",
+                            "series": row["optimizer"],
+                            "value": _mean(window),
+                        }
+                    )
             side.append(
                 {
                     "group": "bytes per parameter (weights + state)",
@@ -540,14 +570,14 @@ def summarize(output=None):
                     "value": row["bytes_per_parameter"],
                 }
             )
-    goal_groups = {m["group"] for m in bytes_}
+    eight_bit = [c for c in CONFIGURATIONS if "8-bit" in c]
     tables = [
         {
             "caption": "Weights + optimizer state / float32 Adam's",
             "unit": "x",
             "decimals": 3,
             "better": "lower",
-            "goals": {g: {"op": "<=", "value": 0.35} for g in goal_groups},
+            "goals": {"bf16 + 8-bit state": {"op": "<=", "value": 0.35}},
             "measurements": bytes_,
         },
         {
@@ -562,7 +592,7 @@ def summarize(output=None):
             "unit": "x",
             "decimals": 3,
             "better": "lower",
-            "goals": {m["group"]: {"op": "<=", "value": 1.02} for m in loss},
+            "goals": {c: {"op": "<=", "value": 1.02} for c in eight_bit},
             "measurements": loss,
         },
         {
@@ -590,7 +620,8 @@ def summarize(output=None):
     if side:
         tables.append(
             {
-                "caption": "torch loop, transformer: against torchao",
+                "caption": "torch loop, transformer (300 steps): against "
+                "torchao",
                 "unit": "",
                 "decimals": 3,
                 "better": "lower",
@@ -622,7 +653,7 @@ def summarize(output=None):
             for d in documents
         },
         "tables": tables,
-        "notes": [],
+        "notes": NOTES,
     }
     output = pathlib.Path(output or RESULTS / "eight_bit.json")
     output.write_text(json.dumps(summary, indent=1) + "\n")

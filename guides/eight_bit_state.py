@@ -191,9 +191,17 @@ print("float16 recipe:", type(float16_recipe.inner_optimizer).__name__)
 # ## When not to use 8 bits
 #
 # * When memory is not the limit. Reading and writing the codes adds work
-#   to every step (on this CPU the step took 1.5 to 3 times float32 Adam's
-#   in `benchmarks/eight_bit.py`); on a GPU the update is a small part of
-#   a step, but measure.
+#   to every step: on this CPU the step took 1.2 to 4.2 times float32
+#   Adam's in `benchmarks/eight_bit.py` (the most on torch, which runs
+#   each operation of the update on its own); on a GPU the update is a
+#   smaller part of a step, but measure.
+# * When one variable is very large against the rest. Its update runs in
+#   float32, and its float32 temporaries (the dequantized moments, their
+#   new values before they are written back) live at once: for the
+#   benchmark's MLP with 4096x4096 matrices the process's peak was higher
+#   than float32 Adam's on every backend, though the state was a third.
+#   The saving is in what stays between steps; the peak of a step is not
+#   lower yet.
 # * For small models: their state is not what fills the memory, and most
 #   of their variables are below `min_8bit_size` anyway.
 # * When `kmp.audit` names layers whose update 8 bits change by more than

@@ -116,6 +116,15 @@ def tensorflow_only(what: str, alternative: str = ""):
     return unavailable
 
 
+def _stand_in_doc(what, alternative, needs) -> str:
+    return (
+        f"{what}: {needs} backend only.\n\n{alternative}\n\n"
+        f"Raises:\n    RuntimeError: when created off the {needs} backend."
+        f"\n\nExample:\n\n>>> import kmp\n"
+        f">>> isinstance(object(), {what})\nFalse\n"
+    )
+
+
 def tensorflow_only_class(
     what: str, alternative: str = "", needs: str = "TensorFlow"
 ) -> type:
@@ -138,7 +147,7 @@ def tensorflow_only_class(
         (),
         {
             "__new__": __new__,
-            "__doc__": f"{what}: {needs} backend only. {alternative}",
+            "__doc__": _stand_in_doc(what, alternative, needs),
             "__module__": what.rsplit(".", 1)[0],
         },
     )
