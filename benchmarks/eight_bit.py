@@ -26,8 +26,10 @@ same weights on the same batches and reports, per configuration:
 
 On torch also PyTorch's own side by side on the same Keras model's
 parameters, data and steps (a torch loop): `torch.optim.AdamW`, torchao's
-`AdamW8bit`, and kmp's 8-bit AdamW in the same loop: loss curves and
-state bytes.
+`AdamW8bit` and bitsandbytes' `AdamW8bit` (each where installed: neither
+is a dependency of kmp), and kmp's 8-bit AdamW in the same loop: loss
+curves and state bytes. `--side-by-side-only` reruns just that, into the
+torch file.
 
     KERAS_BACKEND=jax python benchmarks/eight_bit.py
     python benchmarks/eight_bit.py --quick        # checks that it runs
@@ -271,16 +273,27 @@ def torch_side_by_side(quick, steps=None):
 
     from kmp.tools.bench import models as bench_models
 
+    peers = {}
     try:
         from torchao.optim import AdamW8bit
+
+        peers["torchao AdamW8bit"] = AdamW8bit
     except ImportError:
+        pass
+    try:
+        import bitsandbytes
+
+        peers["bitsandbytes AdamW8bit"] = bitsandbytes.optim.AdamW8bit
+    except ImportError:
+        pass
+    if not peers:
         return None
     spec = bench_models.model_spec("transformer", "tiny" if quick else "small")
     x_train, _, y_train, _ = bench_models.load_data(spec)
     steps = steps or (4 if quick else 300)
     loss_fn = keras.losses.SparseCategoricalCrossentropy()
     rows = []
-    for name in ("torch AdamW", "torchao AdamW8bit", "kmp 8-bit AdamW"):
+    for name in ("torch AdamW", *peers, "kmp 8-bit AdamW"):
         keras.utils.set_random_seed(0)
         model = bench_models.build_model(spec, "float32")
         weights = model.trainable_variables
@@ -288,8 +301,8 @@ def torch_side_by_side(quick, steps=None):
         rate = spec.learning_rate
         if name == "torch AdamW":
             optimizer = torch.optim.AdamW(params, lr=rate, eps=1e-7)
-        elif name == "torchao AdamW8bit":
-            optimizer = AdamW8bit(params, lr=rate, eps=1e-7)
+        elif name in peers:
+            optimizer = peers[name](params, lr=rate, eps=1e-7)
         else:
             optimizer = _optimizer(
                 "float32 + 8-bit state",
@@ -684,9 +697,24 @@ def main(argv=None):
     parser.add_argument("--output", default=None)
     parser.add_argument("--summary", action="store_true")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--side-by-side-only",
+        action="store_true",
+        help="on torch: rerun only the side by side with torchao and "
+        "bitsandbytes, into the backend's existing file",
+    )
     args = parser.parse_args(argv)
     if args.memory_child:
         memory_child(args.memory_child, args.quick)
+    elif args.side_by_side_only:
+        path = pathlib.Path(args.output or RESULTS / "eight_bit" / "torch.json")
+        document = json.loads(path.read_text())
+        document["torch_side_by_side"] = torch_side_by_side(args.quick)
+        document["torch_side_by_side_command"] = " ".join(
+            ["python", "benchmarks/eight_bit.py"] + sys.argv[1:]
+        )
+        path.write_text(json.dumps(document, indent=1) + "\n")
+        print(f"Wrote {path}")
     elif args.summary:
         summarize(args.output)
     else:
