@@ -67,14 +67,21 @@ def test_runner_runs_on_the_cpu_with_a_tiny_configuration(tmp_path):
     assert summary["machine"][backend]["platform"] == "cpu"
     run_document = summary["runs"][f"{backend}-mlp"]
     implementations = {r["implementation"] for r in run_document["results"]}
-    expected = {"kmp", "native", "unscaled"}
+    # kmp bench's --low-precision: bfloat16 weights, 16-bit and 8-bit state.
+    expected = {"kmp", "native", "unscaled", "state16", "state8"}
     if backend == "torch":  # PyTorch AMP's float16 (GradScaler): GPU only.
         expected |= {"torch"}
     assert implementations == expected
     loops = [r["loop"] for r in summary["ratios"]]
     assert loops == ["custom", "fit"]
     custom = summary["ratios"][0]
-    for key in ("bf16_speedup_kmp", "overhead_kmp", "overhead_keras"):
+    for key in (
+        "bf16_speedup_kmp",
+        "overhead_kmp",
+        "overhead_keras",
+        "state8_speedup",
+        "state8_bytes_vs_float32",
+    ):
         assert custom[key] is not None
     assert custom["overhead_grad_scaler"] is None  # Needs a GPU.
     assert (custom["bf16_speedup_torch"] is not None) == (backend == "torch")
@@ -82,6 +89,7 @@ def test_runner_runs_on_the_cpu_with_a_tiny_configuration(tmp_path):
     assert "kmp's loss-scaling overhead <= 2%" in goals
     text = (tmp_path / "results.md").read_text()
     assert f"| {backend} | mlp | custom |" in text
+    assert "16-bit and 8-bit optimizer state" in text
     assert (tmp_path / f"{backend}-mlp.log").read_text()
 
 

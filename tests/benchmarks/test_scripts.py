@@ -60,6 +60,13 @@ EVERY_BACKEND = {
     ),
 }
 
+# The file each writes, and what its records must hold.
+OUTPUTS = {"eight_bit.py": "eight_bit.json", "step_costs.py": "step_costs.json"}
+EXPECTED = {
+    "eight_bit.py": {"float32", "bf16 + 8-bit state"},
+    "step_costs.py": {"plain", "kmp"},
+}
+
 # Scripts for one backend: the mark that skips them elsewhere, and the
 # KERAS_BACKEND their subprocess gets.
 JAX_ONLY = {
@@ -126,9 +133,10 @@ def test_script_runs_on_this_backend(name, tmp_path):
     args, expected = EVERY_BACKEND[name]
     backend = {"KERAS_BACKEND": keras.backend.backend()}
     _smoke(name, args, expected, tmp_path, backend)
-    document = json.loads((tmp_path / "step_costs.json").read_text())
+    document = json.loads((tmp_path / OUTPUTS[name]).read_text())
     assert document["backend"] == backend["KERAS_BACKEND"]
-    assert {r["optimizer"] for r in document["records"]} >= {"plain", "kmp"}
+    kind = {"step_costs.py": "optimizer", "eight_bit.py": "configuration"}
+    assert {r[kind[name]] for r in document["records"]} >= EXPECTED[name]
 
 
 @pytest.mark.jax

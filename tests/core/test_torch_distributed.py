@@ -149,8 +149,12 @@ def test_training_equals_one_process_on_the_whole_batch(results, scenario):
     # The whole batch at once: the same steps skipped and scales, exactly;
     # weights and slots as close as float16 rounding allows.
     whole = _one_process(recipe, False, inject, eight_bit)
+    # With 8-bit moments a float16 rounding apart can put a moment on the
+    # next code: up to a code's step of the update (lr 0.01 times a few
+    # percent) in a weight, and a few codes in a slot.
+    bounds = {"weights_atol": 1e-3, "slots_rtol": 2**-5} if eight_bit else {}
     for step, (a, b) in enumerate(zip(distributed, whole)):
-        dd.assert_close(a, b, f"{scenario}, after step {step}")
+        dd.assert_close(a, b, f"{scenario}, after step {step}", **bounds)
 
 
 def _eight_bit_variables():

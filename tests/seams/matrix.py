@@ -92,7 +92,7 @@ def all_cells(wrappers=None):
     """Every cell of this backend's matrix, in a fixed order."""
     cells = []
     for wrapper in wrappers or wrappers_module.WRAPPERS:
-        refused = wrapper.refusal(backends.TENSORFLOW) is not None
+        refused = wrapper.refusal(backends.NAME) is not None
         for strategy in STRATEGIES:
             if refused:
                 cells.append(Cell(wrapper.name, strategy))

@@ -171,7 +171,7 @@ def check_training(wrapper, cell, directory):
 )
 def test_cell(cell, request, tmp_path):
     wrapper = wrappers.by_name(cell.wrapper)
-    refusal = wrapper.refusal(backends.TENSORFLOW)
+    refusal = wrapper.refusal(backends.NAME)
     check_serving = None
     with strategies.scope(cell.strategy, request):
         if refusal is not None:

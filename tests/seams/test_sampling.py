@@ -76,9 +76,7 @@ def test_axes_shrink_to_the_backend():
     assert ("data_parallel" in strategies) == backends.JAX
     assert ("checkpoint" in formats) == backends.TENSORFLOW
     assert {cell.mode for cell in cells} - {None} == set(backends.MODES)
-    refused = {
-        w.name for w in wrappers.WRAPPERS if w.refusal(backends.TENSORFLOW)
-    }
+    refused = {w.name for w in wrappers.WRAPPERS if w.refusal(backends.NAME)}
     for cell in cells:
         assert (cell.mode is None) == (cell.wrapper in refused), cell.id
 

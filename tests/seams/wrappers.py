@@ -114,8 +114,9 @@ class Wrapper:
         refused: The `Refusal` its construction meets, or None.
         build: `build(compile_kwargs)` makes the compiled model where
             `optimizer` is None (convert's result).
-        tensorflow_only: Whether it needs kmp's TensorFlow-only FusedAdam:
-            elsewhere its construction is refused, as documented.
+        needs_fused_adam: Whether it needs `kmp.FusedAdam` (TensorFlow's
+            and torch's): on JAX its construction is refused, as
+            documented.
     """
 
     name: str
@@ -125,14 +126,14 @@ class Wrapper:
     reference: Optional[Callable] = None
     refused: Optional["Refusal"] = None
     build: Optional[Callable] = None
-    tensorflow_only: bool = False
+    needs_fused_adam: bool = False
 
-    def refusal(self, on_tensorflow):
-        """The `Refusal` a cell checks on this backend, or None."""
-        if self.tensorflow_only and not on_tensorflow:
+    def refusal(self, backend_name):
+        """The `Refusal` a cell checks on backend `backend_name`, or None."""
+        if self.needs_fused_adam and backend_name == "jax":
             return Refusal(
                 RuntimeError,
-                "needs Keras's TensorFlow backend",
+                "needs Keras's TensorFlow or torch backend",
                 None,
                 lambda _: self.optimizer(),
             )
@@ -191,7 +192,7 @@ WRAPPERS = [
         "fused_adam",
         "mixed_bfloat16",
         fused_adam,
-        tensorflow_only=True,
+        needs_fused_adam=True,
     ),
     Wrapper(
         "lso_fused_adam",
@@ -199,7 +200,7 @@ WRAPPERS = [
         lso(fused_adam, **KNOBS["growth"]),
         skips=True,
         reference=fused_adam,
-        tensorflow_only=True,
+        needs_fused_adam=True,
     ),
     # The documented order for float16 variables, with every rounding:
     # slots in bfloat16 (where Adam's squared gradients do not underflow),
@@ -235,7 +236,7 @@ WRAPPERS = [
         "lpo_stochastic_fused_adam",
         "bfloat16",
         lpo("stochastic", inner=fused_adam),
-        tensorflow_only=True,
+        needs_fused_adam=True,
     ),
     Wrapper(
         "lpo_lso",

@@ -148,18 +148,21 @@ def assert_equal_bit_for_bit(state, other, what):
             )
 
 
-def assert_close(state, other, what):
+def assert_close(
+    state, other, what, weights_atol=WEIGHTS_ATOL, slots_rtol=SLOTS_RTOL
+):
     """Two `snapshot`s of the same training, computed in different orders:
-    the same loss-scale state, weights and slots within the bounds above."""
+    the same loss-scale state, weights and slots within the bounds above
+    (or those given)."""
     assert state["scale_state"] == other["scale_state"], what
     for index, (a, b) in enumerate(zip(state["weights"], other["weights"])):
         np.testing.assert_allclose(
-            a, b, rtol=0, atol=WEIGHTS_ATOL, err_msg=f"{what}: weight {index}"
+            a, b, rtol=0, atol=weights_atol, err_msg=f"{what}: weight {index}"
         )
     for index, (a, b) in enumerate(zip(state["inner"], other["inner"])):
         # As float64: 8-bit codes (uint8) would wrap around when subtracted.
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        atol = SLOTS_RTOL * float(np.max(np.abs(b)))
+        atol = slots_rtol * float(np.max(np.abs(b)))
         np.testing.assert_allclose(
             a, b, rtol=0, atol=atol, err_msg=f"{what}: slot {index}"
         )
