@@ -141,8 +141,8 @@ for name, model in [("float32 Adam", float32_copy), ("8-bit", eight_bit)]:
 # The two reach the same accuracy; the 8-bit one keeps a third of the
 # bytes. `benchmarks/eight_bit.py` measures the same on every backend, for
 # this classifier and for a small transformer, with the time per step and
-# the peak memory of a 42-million-parameter MLP
-# ([performance](../performance.md)).
+# the peak memory of a 42-million-parameter MLP (on the performance page
+# of the documentation).
 
 # ## What stays at full precision
 #
