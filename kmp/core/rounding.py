@@ -108,16 +108,16 @@ class Float32View(keras.Variable):
     `variable` (`LowPrecisionOptimizer` lends it a `_var_key` that does).
     """
 
-    def __init__(self, variable, compensation, dtype):
+    def __init__(self, variable, compensation, dtype, shape=None):
         # Not Variable.__init__: nothing is allocated, tracked or traced.
         self.variable = variable
         self._compensation = compensation
         self._dtype = dtype
-        self._shape = tuple(variable.shape)
+        self._shape = tuple(variable.shape if shape is None else shape)
         self._name = variable.name
         self._path = variable.path
         self._autocast = False
-        self._trainable = variable.trainable
+        self._trainable = variable.trainable and shape is None
         self._constraint = None
         self._regularizer = None
         self._overwrite_with_gradient = False
@@ -169,21 +169,9 @@ class DequantizedView(Float32View):
     touch no variable (the caller quantizes what was written)."""
 
     def __init__(self, slot):
-        # Not Float32View.__init__: there is no variable of this shape.
+        # Named after the codes, shaped as the slot; nothing allocated.
+        super().__init__(slot.codes, None, "float32", shape=slot.shape)
         self.slot = slot
-        self.variable = slot.codes
-        self._compensation = None
-        self._dtype = "float32"
-        self._shape = tuple(slot.shape)
-        self._name = slot.codes.name
-        self._path = slot.codes.path
-        self._autocast = False
-        self._trainable = False
-        self._constraint = None
-        self._regularizer = None
-        self._overwrite_with_gradient = False
-        self._now = None
-        self._written = False
 
     @property
     def value(self):
