@@ -66,16 +66,32 @@ def _checked_number(value, name, low, high, high_included=False):
 
 
 def _groups(optimizer, grads, variables):
-    """Indices of (gradient, variable) by (device, dtype, decayed)."""
+    """Indices of (gradient, variable) by (device, dtype, decayed), worked
+    out once per list of variables (a step then does no per-variable
+    Python work but the missing-gradient check)."""
+    if any(g is None for g in grads):
+        missing = next(v for g, v in zip(grads, variables) if g is None)
+        raise TypeError(
+            f"{type(optimizer).__name__} updates floating variables with "
+            f"dense gradients only. Received: variable {missing.path!r} "
+            "with gradient None"
+        )
+    cache = optimizer.__dict__.setdefault("_kmp_fused_groups", {})
+    key = tuple(id(v) for v in variables)
+    if key not in cache:
+        cache[key] = _grouped(optimizer, variables)
+    return cache[key]
+
+
+def _grouped(optimizer, variables):
     groups = {}
-    for index, (gradient, variable) in enumerate(zip(grads, variables)):
+    for index, variable in enumerate(variables):
         tensor = variable.value
-        if tensor.dtype not in _FLOATING or gradient is None:
+        if tensor.dtype not in _FLOATING:
             raise TypeError(
                 f"{type(optimizer).__name__} updates floating variables "
                 f"with dense gradients only. Received: variable "
-                f"{variable.path!r} of dtype {variable.dtype} with gradient "
-                f"{checks.describe(gradient)}"
+                f"{variable.path!r} of dtype {variable.dtype}"
             )
         decayed = bool(optimizer.weight_decay) and optimizer._use_weight_decay(
             variable
