@@ -63,8 +63,10 @@ from kmp.core import borrow
 from kmp.core import checks
 from kmp.core import low_precision_arguments as arguments
 from kmp.core import optimizer_arguments
+from kmp.core import parts
 from kmp.core import rounding
 from kmp.core import slots_8bit
+from kmp.core.step import low_precision as step_shared
 
 # This backend's step (`apply_update`, `update_variable`, `view`) and random
 # stream: the one place `LowPrecisionOptimizer` picks a backend.
@@ -323,7 +325,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
                 )
             )
             if grads:
-                grads = clip_gradients(inner, grads)
+                grads = step_shared.clip_gradients(inner, grads)
                 _steps.apply_update(self, grads, variables)
             inner._iterations.assign_add(1)
 
@@ -345,45 +347,72 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         _steps.update_variable(self, gradient, learning_rate, variable, index)
 
     def _update_one(self, gradient, learning_rate, variable, index):
+        bounds = parts.bounds(self, index, _steps.write_part)
+        if bounds is None:
+            self._update_part(gradient, learning_rate, variable, index)
+            return
+        flat = ops.reshape(gradient, (-1,))
+        for start, stop in bounds:  # One after another (kmp.core.parts).
+            self._update_part(
+                flat[start:stop], learning_rate, variable, index, start, stop
+            )
+
+    def _update_part(
+        self, gradient, learning_rate, variable, index, start=0, stop=None
+    ):
+        """Variable `index`'s update, or that of its flat elements `[start,
+        stop)` with `stop` (`kmp.core.parts`)."""
         inner = self._inner_optimizer
         model_variable = self._trainable_variables[index]
         low = rounding.is_low(variable.dtype)
         compensation = self._compensations[index]
-        view = _steps.view(
-            self,
-            variable,
-            model_variable,
-            compensation,
-            "float32" if low else rounding.dtype_name(variable.dtype),
-        )
+        dtype = "float32" if low else rounding.dtype_name(variable.dtype)
+        if stop is None:
+            view = _steps.view(
+                self, variable, model_variable, compensation, dtype
+            )
+            slot_view, write = _steps.slot_view, self.assign
+        else:
+            view = rounding.PartView(
+                model_variable, compensation, dtype, start, stop
+            )
+
+            def slot_view(slot):
+                return rounding.DequantizedPartView(slot, start, stop)
+
+            def write(target, value):
+                _steps.write_part(self, target, start, value)
+
         self._decay(view, model_variable, learning_rate)
-        with slots_8bit.views(self._located, index, _steps.slot_view) as pairs:
+        with slots_8bit.views(self._located, index, slot_view) as pairs:
             type(inner).update_step(inner, gradient, view, learning_rate)
-        slots_8bit.write_back(self, pairs, _steps.nearest_code)
+        if stop is None:
+            slots_8bit.write_back(self, pairs, _steps.nearest_code)
+        else:
+            parts.write_back(
+                self, pairs, _steps.nearest_code, start, _steps.write_part
+            )
         if not view.written:
             return
         value = view.value
         constraint = getattr(model_variable, "constraint", None)
-        if constraint is not None:
+        if constraint is not None:  # Never in parts (kmp.core.parts).
             value = constraint(value)
         if not low:
-            self.assign(variable, value)
+            write(variable, value)
         elif self._rounding == "stochastic":
             seed = self._streams.step_seed(
                 self._seed.value, inner._iterations.value, index
             )
-            self.assign(
-                variable,
-                rounding.stochastic_round(
-                    value, variable.dtype, seed, self._streams
-                ),
+            noisy = rounding.stochastic_round(
+                value, variable.dtype, seed, self._streams, start
             )
+            write(variable, noisy)
         else:
             rounded = ops.cast(value, variable.dtype)
-            self.assign(variable, rounded)
+            write(variable, rounded)
             if compensation is not None:
-                remainder = value - ops.cast(rounded, "float32")
-                self.assign(compensation, remainder)
+                write(compensation, value - ops.cast(rounded, "float32"))
 
     def _decay(self, view, model_variable, learning_rate):
         """The inner optimizer's weight decay, on the float32 view."""
@@ -438,17 +467,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             "rounding": self._rounding,
             "slot_dtype": self._slot_dtype,
             "seed": self.seed,
-            **self._eight_bit_config(),
-        }
-
-    def _eight_bit_config(self) -> dict:
-        plan = self._plan
-        if plan is None:
-            return {}
-        return {
-            "block_size": plan.block_size,
-            "min_8bit_size": plan.min_size,
-            "exclude_from_8bit": list(plan.exclude),
+            **slots_8bit.config(self._plan),
         }
 
     @classmethod
@@ -471,24 +490,6 @@ _KERAS_WEIGHT_DECAY = keras.optimizers.Optimizer._apply_weight_decay
 
 def _is_float16(dtype) -> bool:
     return dtype is not None and rounding.dtype_name(dtype) == "float16"
-
-
-def clip_gradients(inner, grads):
-    """`inner`'s clipping; a global norm of gradients of several dtypes
-    (bfloat16 layers and a float32 output layer) is taken in float32.
-
-    Keras's global norm adds the squared norms of all gradients, which it
-    cannot do across dtypes; there the gradients go on in float32, which
-    the float32 update reads anyway. Gradients of one dtype are clipped by
-    Keras as they are.
-    """
-    if not inner.global_clipnorm:
-        return inner._clip_gradients(grads)
-    dtypes = {rounding.dtype_name(g.dtype) for g in grads if g is not None}
-    if len(dtypes) > 1:
-        wide = keras.backend.result_type(*dtypes, "float32")
-        grads = [g if g is None else ops.cast(g, wide) for g in grads]
-    return inner._clip_gradients(grads)
 
 
 def streams():

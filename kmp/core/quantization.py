@@ -259,6 +259,20 @@ class QuantizedSlot:
         )
         return decode(value, self.name)
 
+    def read_part(self, start, stop):
+        """Elements `[start, stop)` of the flat slot, float32 (`start` a
+        multiple of the block size)."""
+        end = blocks(stop - start, self.block_size) * self.block_size
+        first = start // self.block_size
+        value = dequantize(
+            self.codes.value[start : start + end],
+            self.scales.value[first : first + end // self.block_size],
+            is_signed(self.name),
+            (stop - start,),
+            self.block_size,
+        )
+        return decode(value, self.name)
+
     def encoded(self, value, nearest=None):
         """`(codes, scales)` holding float32 `value` (`nearest`: as for
         `quantize`)."""

@@ -59,7 +59,7 @@ def round_with_noise(value, dtype, noise):
     return ops.cast(ops.view(bits, "float32"), dtype)
 
 
-def stochastic_round(value, dtype, seed, streams):
+def stochastic_round(value, dtype, seed, streams, part=0):
     """Rounds float32 `value` to `dtype` (bfloat16 or float16), stochastically.
 
     A value rounds away from zero with probability equal to its distance
@@ -67,8 +67,9 @@ def stochastic_round(value, dtype, seed, streams):
     the result is unbiased. `seed` is two integers (a shape-[2] tensor or a
     list); the same seed gives the same rounding everywhere (a stateless,
     counter-based stream: `streams`, the backend's module of streams,
-    `kmp.core.low_precision.streams()`). For float16, values in its
-    subnormal range round to nearest.
+    `kmp.core.low_precision.streams()`). `part`: the elements' place in a
+    variable updated in parts (`kmp.core.parts`): its first element's
+    index. For float16, values in its subnormal range round to nearest.
 
     >>> from kmp.core.low_precision import streams
     >>> x = keras.ops.full([4000], 1.0 + 2.0**-9)  # A quarter between.
@@ -79,7 +80,8 @@ def stochastic_round(value, dtype, seed, streams):
     >>> round(float(r.mean()), 3)
     1.002
     """
-    return round_with_noise(value, dtype, streams.random_bits(seed, value))
+    noise = streams.random_bits(seed, value, part)
+    return round_with_noise(value, dtype, noise)
 
 
 def seed_of_saved(value) -> int:
@@ -184,15 +186,56 @@ class DequantizedView(Float32View):
         return f"<DequantizedView of {self._path}>"
 
 
+class PartView(Float32View):
+    """Elements `[start, stop)` of a variable (flattened) as a flat
+    float32 stand-in: `Float32View` of a part (`kmp.core.parts`)."""
+
+    def __init__(self, variable, compensation, dtype, start, stop):
+        super().__init__(variable, compensation, dtype, shape=(stop - start,))
+        self._bounds = (start, stop)
+
+    @property
+    def value(self):
+        if self._now is None:
+            start, stop = self._bounds
+            value = ops.reshape(self.variable.value, (-1,))[start:stop]
+            value = ops.cast(value, self._dtype)
+            if self._compensation is not None:
+                flat = ops.reshape(self._compensation.value, (-1,))
+                value = ops.add(value, ops.cast(flat[start:stop], self._dtype))
+            self._now = value
+            self._read_version = _version(value)
+        return self._now
+
+
+class DequantizedPartView(Float32View):
+    """Elements `[start, stop)` of an 8-bit slot as a flat float32
+    stand-in (`DequantizedView` of a part; `start` on a block's edge)."""
+
+    def __init__(self, slot, start, stop):
+        super().__init__(slot.codes, None, "float32", shape=(stop - start,))
+        self.slot = slot
+        self._bounds = (start, stop)
+
+    @property
+    def value(self):
+        if self._now is None:
+            self._now = self.slot.read_part(*self._bounds)
+            self._read_version = _version(self._now)
+        return self._now
+
+
 def _version(tensor):
     """torch's count of in-place writes to `tensor`; None elsewhere."""
     return getattr(tensor, "_version", None)
 
 
 __all__ = [
+    "DequantizedPartView",
     "DequantizedView",
     "Float32View",
     "LOW_PRECISION_BITS",
+    "PartView",
     "dtype_name",
     "is_low",
     "round_with_noise",

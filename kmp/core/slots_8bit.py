@@ -129,6 +129,18 @@ class Plan:
         return not any(re.search(p, path) for p in self.exclude)
 
 
+def config(plan) -> dict:
+    """The 8-bit arguments of `LowPrecisionOptimizer.get_config` ({}
+    without 8 bits)."""
+    if plan is None:
+        return {}
+    return {
+        "block_size": plan.block_size,
+        "min_8bit_size": plan.min_size,
+        "exclude_from_8bit": list(plan.exclude),
+    }
+
+
 def lent_builder(plan, inner, slots):
     """The `add_variable_from_reference` lent to `inner` while it builds:
     an 8-bit slot where `plan` says so (appended to `slots`), else the

@@ -7,6 +7,9 @@ float32 stand-in is `kmp.core.rounding.Float32View` (TensorFlow's are in
 `kmp.core.tensorflow.low_precision`).
 """
 
+import keras
+from keras import ops
+
 from kmp.core import borrow
 from kmp.core import quantization
 from kmp.core import rounding
@@ -34,15 +37,44 @@ def view(optimizer, variable, model_variable, compensation, dtype):
     return rounding.Float32View(model_variable, compensation, dtype)
 
 
+def clip_gradients(inner, grads):
+    """`inner`'s clipping; a global norm of gradients of several dtypes
+    (bfloat16 layers and a float32 output layer) is taken in float32.
+
+    Keras's global norm adds the squared norms of all gradients, which it
+    cannot do across dtypes; there the gradients go on in float32, which
+    the float32 update reads anyway. Gradients of one dtype are clipped by
+    Keras as they are.
+    """
+    if not inner.global_clipnorm:
+        return inner._clip_gradients(grads)
+    dtypes = {rounding.dtype_name(g.dtype) for g in grads if g is not None}
+    if len(dtypes) > 1:
+        wide = keras.backend.result_type(*dtypes, "float32")
+        grads = [g if g is None else ops.cast(g, wide) for g in grads]
+    return inner._clip_gradients(grads)
+
+
+def write_part(optimizer, variable, start, value):
+    """Writes flat `value` over `variable`'s flat elements from `start`
+    (a part of an update, `kmp.core.parts`): on JAX a
+    `dynamic_update_slice`, which XLA does in place."""
+    flat = ops.reshape(variable.value, (-1,))
+    flat = ops.slice_update(flat, (start,), ops.cast(value, flat.dtype))
+    optimizer.assign(variable, ops.reshape(flat, tuple(variable.shape)))
+
+
 # The float32 stand-in for an 8-bit slot, and how a value finds its code
 # (elementwise: XLA fuses it, on JAX and TensorFlow).
 slot_view = rounding.DequantizedView
 nearest_code = quantization.nearest_code
 
 __all__ = [
+    "clip_gradients",
     "nearest_code",
     "routed_update",
     "slot_view",
     "update_variable",
     "view",
+    "write_part",
 ]

@@ -78,6 +78,9 @@ def update_variable(optimizer, gradient, learning_rate, variable, index):
 # (elementwise: XLA fuses it; TensorFlow's graph runs it as it is).
 slot_view = tf_rounding.DequantizedView
 nearest_code = quantization.nearest_code
+# Each large variable's update is compiled whole with XLA: none in parts
+# (`kmp.core.parts`).
+write_part = None
 
 
 def view(optimizer, variable, model_variable, compensation, dtype):

@@ -40,8 +40,9 @@ def step_seed(seed, step, index: int):
     return tf.random.experimental.stateless_fold_in(seed, index, alg="philox")
 
 
-def random_bits(seed, like):
-    """16 uniform random bits per element of `like`, as int32 (Philox)."""
+def random_bits(seed, like, part=0):
+    """16 uniform random bits per element of `like`, as int32 (Philox).
+    TensorFlow updates no variable in parts: `part` is always 0."""
     size = tf.size(like)
     # 16 random bits are enough: each 32-bit draw serves two elements.
     noise = tf.random.stateless_uniform(

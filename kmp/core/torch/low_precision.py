@@ -13,6 +13,7 @@ arithmetic happens in bfloat16. Nothing is recorded for autograd.
 import functools
 
 import torch
+from keras.src.backend.common.stateless_scope import in_stateless_scope
 
 from kmp.core import quantization
 from kmp.core import rounding
@@ -21,6 +22,17 @@ from kmp.core.step import low_precision as shared
 update_variable = shared.update_variable
 view = shared.view
 slot_view = shared.slot_view
+
+
+def write_part(optimizer, variable, start, value):
+    """Writes flat `value` over `variable`'s flat elements from `start`
+    (a part of an update, `kmp.core.parts`), in place (in a stateless
+    scope, into a new value: the scope's tensors are the caller's)."""
+    if in_stateless_scope():
+        shared.write_part(optimizer, variable, start, value)
+        return
+    flat = variable.value.view(-1)
+    flat[start : start + value.numel()].copy_(value)
 
 
 def nearest_code(normalized, signed: bool):
