@@ -1,17 +1,21 @@
 """8-bit optimizer state against float32 Adam and 16-bit state, side by side.
 
 On Keras's current backend, for the digits classifier and the transformer
-of `kmp bench` (their `small` sizes), trains each configuration from the
-same weights on the same batches and reports, per configuration:
+of `kmp bench` (their `small` sizes) and a small language model
+(`language_task.py`: that transformer made causal, next-token prediction
+on text from a Markov source whose entropy, the lowest reachable loss, is
+known), trains each configuration from the same weights on the same
+batches and reports, per configuration:
 
 * bytes of weights + optimizer state per parameter, and their ratio to
   float32 Adam's (goal: 8-bit state with bfloat16 weights <= 0.35x);
 * the final training loss (the whole training set, after training: 40
   epochs of the digits; one of the transformer, 16 steps, which learns
   its task to a loss near 0 within a few, where a ratio of losses would
-  be noise) and the test accuracy, averaged over `--seeds` runs (goals:
-  digits within 0.5 point of float32 Adam's accuracy, the transformer's
-  final loss within 2% of float32 Adam's);
+  be noise) and the test accuracy, averaged over `--seeds` runs; for the
+  language model the loss on held-out text after 300 steps (goals: digits
+  within 0.5 point of float32 Adam's accuracy, the language model's loss
+  within 2% of float32 Adam's);
 * the median step time of `train_on_batch` (which waits for the step), as
   a ratio to float32 Adam's, measured in the same process;
 * the process's peak resident size while the configuration is built and
@@ -33,6 +37,10 @@ torch file.
 
     KERAS_BACKEND=jax python benchmarks/eight_bit.py
     python benchmarks/eight_bit.py --quick        # checks that it runs
+    python benchmarks/eight_bit.py --models language --no-memory --merge
+                                                  # one model, into the file
+    python benchmarks/eight_bit.py --models "" --no-torchao --merge
+                                                  # the memory processes only
     python benchmarks/eight_bit.py --summary      # the docs' table, from
                                                   # every backend's file
 
@@ -71,7 +79,7 @@ CONFIGURATIONS = (
 # Per model: epochs of training. The transformer's task is learnt to a
 # loss near 0 within a few epochs, where a ratio of losses is noise: its
 # loss is compared after one epoch (16 steps), while it still falls.
-MODELS = {"digits": 40, "transformer": 1}
+MODELS = {"digits": 40, "transformer": 1, "language": 1}
 QUICK_EPOCHS = 1
 MEMORY_UNITS = (2048, 4096, 4096, 4096)
 
@@ -134,13 +142,24 @@ def train(model_name, configuration, seed, epochs, quick):
 
     from kmp.tools.bench import models as bench_models
 
-    spec = bench_models.model_spec(model_name, "tiny" if quick else "small")
-    x_train, x_test, y_train, y_test = bench_models.load_data(spec)
+    if model_name == "language":
+        import language_task as task
+
+        x_train, y_train = task.training_data(quick)
+        x_test, y_test = task.held_out(quick)
+        batch_size, rate = task.BATCH_SIZE, task.LEARNING_RATE
+    else:
+        spec = bench_models.model_spec(model_name, "tiny" if quick else "small")
+        x_train, x_test, y_train, y_test = bench_models.load_data(spec)
+        batch_size, rate = spec.batch_size, spec.learning_rate
     before = _rss_bytes()
     reset = _reset_peak()
     keras.utils.set_random_seed(seed)
-    model = bench_models.build_model(spec, _policy(configuration))
-    optimizer = _optimizer(configuration, spec.learning_rate, seed)
+    if model_name == "language":
+        model = task.build_model(_policy(configuration), quick)
+    else:
+        model = bench_models.build_model(spec, _policy(configuration))
+    optimizer = _optimizer(configuration, rate, seed)
     model.compile(
         optimizer=optimizer,
         loss="sparse_categorical_crossentropy",
@@ -149,14 +168,18 @@ def train(model_name, configuration, seed, epochs, quick):
     model.fit(
         x_train,
         y_train,
-        batch_size=spec.batch_size,
+        batch_size=batch_size,
         epochs=epochs,
         shuffle=True,
         verbose=0,
     )
-    final_loss = float(model.evaluate(x_train, y_train, verbose=0)[0])
-    accuracy = float(model.evaluate(x_test, y_test, verbose=0)[1])
-    batch = (x_train[: spec.batch_size], y_train[: spec.batch_size])
+    if model_name == "language":  # Scored on text it never saw.
+        final_loss, accuracy = model.evaluate(x_test, y_test, verbose=0)[:2]
+    else:
+        final_loss = model.evaluate(x_train, y_train, verbose=0)[0]
+        accuracy = model.evaluate(x_test, y_test, verbose=0)[1]
+    final_loss, accuracy = float(final_loss), float(accuracy)
+    batch = (x_train[:batch_size], y_train[:batch_size])
     times = []
     for _ in range(3 if quick else 25):
         started = time.perf_counter()
@@ -164,7 +187,9 @@ def train(model_name, configuration, seed, epochs, quick):
         times.append(time.perf_counter() - started)
     total, parameters = state_bytes(model, optimizer)
     peak = _peak_bytes() if reset else None
+    extra = {"floor": task.floor()} if model_name == "language" else {}
     return {
+        **extra,
         "peak_rss_mb": None if peak is None else (peak - before) / 2**20,
         "model": model_name,
         "configuration": configuration,
@@ -372,7 +397,7 @@ def run(args):
 
     backend = keras.backend.backend()
     records = []
-    for model_name in args.models.split(","):
+    for model_name in [m for m in args.models.split(",") if m]:
         epochs = QUICK_EPOCHS if args.quick else MODELS[model_name]
         for seed in range(1 if args.quick else args.seeds):
             for configuration in CONFIGURATIONS:
@@ -419,9 +444,36 @@ def run(args):
     }
     output = args.output or RESULTS / "eight_bit" / f"{backend}.json"
     output = pathlib.Path(output)
+    if args.merge and output.exists():
+        document = _merged(json.loads(output.read_text()), document, args)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(document, indent=1) + "\n")
     print(f"Wrote {output}")
+
+
+def _merged(old, new, args):
+    """`old` with the records of the models just run (and the memory and
+    side by side, where run) replaced by `new`'s; each model's command is
+    kept under `commands`."""
+    ran = {m for m in args.models.split(",") if m}
+    kept = [r for r in old["records"] if r["model"] not in ran]
+    commands = dict(old.get("commands") or {})
+    for model in {r["model"] for r in old["records"]} - ran:
+        commands.setdefault(model, old["command"])
+    for model in ran:
+        commands[model] = new["command"]
+    merged = dict(old)
+    merged.update(
+        records=kept + new["records"],
+        commands=commands,
+        date=new["date"],
+        versions=new["versions"],
+    )
+    if args.memory:
+        merged["memory"] = new["memory"]
+    if new["torch_side_by_side"] is not None:
+        merged["torch_side_by_side"] = new["torch_side_by_side"]
+    return merged
 
 
 def _machine():
@@ -486,6 +538,16 @@ NOTES = [
 ]
 
 
+def _floor(documents):
+    floors = {
+        r["floor"]
+        for d in documents
+        for r in d["records"]
+        if r["model"] == "language"
+    }
+    return floors.pop() if len(floors) == 1 else float("nan")
+
+
 def summarize(output=None):
     """Writes the docs' file (kmp-benchmark-results/1) from every
     backend's file in `results/eight_bit/`."""
@@ -493,7 +555,8 @@ def summarize(output=None):
         json.loads(path.read_text())
         for path in sorted((RESULTS / "eight_bit").glob("*.json"))
     ]
-    bytes_, accuracy, loss, speed, peak, side, rss = ([] for _ in range(7))
+    bytes_, accuracy, speed, peak, side, rss = ([] for _ in range(6))
+    loss = {"transformer": [], "language": []}
     for document in documents:
         backend, records = document["backend"], document["records"]
         for model in MODELS:
@@ -527,7 +590,7 @@ def summarize(output=None):
                         r["final_loss"] / b["final_loss"]
                         for r, b in zip(rows, base)
                     ]
-                    loss.append(
+                    loss[model].append(
                         {
                             "group": configuration,
                             "series": backend,
@@ -583,7 +646,6 @@ def summarize(output=None):
                     "value": row["bytes_per_parameter"],
                 }
             )
-    eight_bit = [c for c in CONFIGURATIONS if "8-bit" in c]
     tables = [
         {
             "caption": "Weights + optimizer state / float32 Adam's",
@@ -601,12 +663,26 @@ def summarize(output=None):
             "measurements": accuracy,
         },
         {
-            "caption": "Transformer: final training loss / float32 Adam's",
+            "caption": "Transformer classifier (kmp bench's): training "
+            "loss after 16 steps / float32 Adam's",
             "unit": "x",
             "decimals": 3,
             "better": "lower",
-            "goals": {c: {"op": "<=", "value": 1.02} for c in eight_bit},
-            "measurements": loss,
+            "measurements": loss["transformer"],
+        },
+        {
+            "caption": "Language model: held-out loss / float32 Adam's "
+            "(the source's entropy, the lowest reachable loss: "
+            f"{_floor(documents):.4f} nats)",
+            "unit": "x",
+            "decimals": 4,
+            "better": "lower",
+            "goals": {
+                c: {"op": "<=", "value": 1.02}
+                for c in CONFIGURATIONS
+                if c != "float32"
+            },
+            "measurements": loss["language"],
         },
         {
             "caption": "Step time / float32 Adam's (train_on_batch)",
@@ -680,7 +756,7 @@ def main(argv=None):
     )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument(
-        "--models", default=",".join(MODELS), help="digits, transformer"
+        "--models", default=",".join(MODELS), help=", ".join(MODELS)
     )
     parser.add_argument(
         "--no-memory",
@@ -695,6 +771,11 @@ def main(argv=None):
         help="on torch, skip the side by side with torchao",
     )
     parser.add_argument("--output", default=None)
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the output file's records of the models not run",
+    )
     parser.add_argument("--summary", action="store_true")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument(

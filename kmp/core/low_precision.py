@@ -43,7 +43,8 @@ package: on TensorFlow (`kmp.core.tensorflow.low_precision`)
 elements or more, so no float32 temporaries are made at all; on torch
 (`kmp.core.torch.low_precision`) Keras's fused (`torch._foreach`) update
 where no variable needs rounding; on JAX (`kmp.core.jax.low_precision`)
-nothing more.
+nothing more. On both, large variables with 8-bit slots are updated in
+parts, which bounds the temporaries (`kmp.core.parts`).
 On JAX the whole update is pure, so `stateless_apply` (which `fit` and a
 jitted loop call) works as for any Keras optimizer.
 
@@ -347,51 +348,43 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         _steps.update_variable(self, gradient, learning_rate, variable, index)
 
     def _update_one(self, gradient, learning_rate, variable, index):
-        bounds = parts.bounds(self, index, _steps.write_part)
+        bounds = parts.bounds(self, index, _steps.update_in_parts)
         if bounds is None:
             self._update_part(gradient, learning_rate, variable, index)
-            return
-        flat = ops.reshape(gradient, (-1,))
-        for start, stop in bounds:  # One after another (kmp.core.parts).
-            self._update_part(
-                flat[start:stop], learning_rate, variable, index, start, stop
+        else:  # kmp.core.parts
+            _steps.update_in_parts(
+                self, gradient, learning_rate, variable, index, bounds
             )
 
-    def _update_part(
-        self, gradient, learning_rate, variable, index, start=0, stop=None
-    ):
-        """Variable `index`'s update, or that of its flat elements `[start,
-        stop)` with `stop` (`kmp.core.parts`)."""
+    def _update_part(self, gradient, learning_rate, variable, index, part=None):
+        """Variable `index`'s update, or that of `part` of it (flat: a
+        `kmp.core.parts.Part`, whose `write` writes the results)."""
         inner = self._inner_optimizer
         model_variable = self._trainable_variables[index]
         low = rounding.is_low(variable.dtype)
         compensation = self._compensations[index]
         dtype = "float32" if low else rounding.dtype_name(variable.dtype)
-        if stop is None:
+        if part is None:
             view = _steps.view(
                 self, variable, model_variable, compensation, dtype
             )
             slot_view, write = _steps.slot_view, self.assign
         else:
-            view = rounding.PartView(
-                model_variable, compensation, dtype, start, stop
-            )
+            view = rounding.PartView(model_variable, compensation, dtype, part)
 
             def slot_view(slot):
-                return rounding.DequantizedPartView(slot, start, stop)
+                return rounding.DequantizedPartView(slot, part)
 
             def write(target, value):
-                _steps.write_part(self, target, start, value)
+                part.write(target, part.start, value)
 
         self._decay(view, model_variable, learning_rate)
         with slots_8bit.views(self._located, index, slot_view) as pairs:
             type(inner).update_step(inner, gradient, view, learning_rate)
-        if stop is None:
+        if part is None:
             slots_8bit.write_back(self, pairs, _steps.nearest_code)
         else:
-            parts.write_back(
-                self, pairs, _steps.nearest_code, start, _steps.write_part
-            )
+            parts.write_back(pairs, _steps.nearest_code, part)
         if not view.written:
             return
         value = view.value
@@ -404,8 +397,9 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             seed = self._streams.step_seed(
                 self._seed.value, inner._iterations.value, index
             )
+            where = None if part is None else part.start
             noisy = rounding.stochastic_round(
-                value, variable.dtype, seed, self._streams, start
+                value, variable.dtype, seed, self._streams, where
             )
             write(variable, noisy)
         else:

@@ -1,4 +1,4 @@
-"""Large variables' 8-bit updates in parts, one after another (torch).
+"""Large variables' 8-bit updates in parts, one after another (JAX, torch).
 
 With `slot_dtype="8bit"`, `kmp.LowPrecisionOptimizer` runs a variable's
 update in float32 on its dequantized slots: whole, the float32 temporaries
@@ -6,36 +6,49 @@ of one 4096x4096 kernel's Adam step (its moments read and written, the
 weights, the gradient, the codes' intermediates) are several times the
 state the 8 bits save. So a variable of more than `PART_ELEMENTS` elements
 whose slots are 8-bit is updated in parts of `PART_ELEMENTS` (a whole
-number of blocks), each read from, and written back in place into, its
-slice of the weights, the compensation and the slots' codes and scales
-before the next part starts: the temporaries are those of one part, about
-4 MB each. On the 42M-parameter MLP of `benchmarks/eight_bit.py` this
-takes torch's peak with bfloat16 weights and 8-bit moments from 1,366 MB
-to 442 MB (float32 Adam: 1,146 MB).
+number of blocks): each part reads its slice of the weights, the
+compensation and the slots' codes and scales, and writes it back, before
+the next part starts, so the temporaries are those of one part (about
+4 MB each).
 
-The same arithmetic as updating it whole (the update of Adam, AdamW, Lion
-and SGD is elementwise and quantization block-wise), bit for bit,
-stochastic rounding included: its bits come from each element's place in
-the variable. Variables with a constraint (which reads the whole variable)
-are updated whole.
+How the parts run is the backend's (its module's `update_in_parts`):
 
-Where a backend's module has a `write_part`: torch's. Not JAX's: under
-XLA, parts did not lower the step's peak (`kmp.core.jax.low_precision`
-says why). On TensorFlow each large variable's update is compiled whole
-with XLA (`kmp.core.tensorflow.low_precision`).
+* torch: one after another, each written in place into the variables;
+* JAX: a `lax.fori_loop` over the whole parts, whose carry is the flat
+  arrays the parts write (`dynamic_update_slice`, in place: XLA reuses a
+  loop's buffers), then the last, shorter part; the arrays are assigned
+  once at the end. (Parts unrolled in Python did not bound the
+  temporaries: XLA recomputed a part's dequantized codes inside fusions
+  that ran after the next part's write, and copied the codes for them.)
+* TensorFlow: none; each large variable's update is compiled whole with
+  XLA (`kmp.core.tensorflow.low_precision`).
+
+The same arithmetic as updating it whole (the updates of Adam, AdamW, Lion
+and SGD are elementwise, quantization block-wise): on torch bit for bit,
+stochastic rounding included (its bits come from each element's place in
+the variable); under XLA within a float32 rounding (it may fuse a multiply
+and an add otherwise for a part's shape), and a part's stochastic-rounding
+bits come from the variable's key with the part's first index folded in.
+Variables with a constraint (which reads the whole variable) are updated
+whole.
 """
 
 import math
+
+from keras import ops
+
+from kmp.core import quantization
 
 # Elements per part: 4 MB of float32.
 PART_ELEMENTS = 2**20
 
 
-def bounds(optimizer, index, write_part):
+def bounds(optimizer, index, update_in_parts):
     """`[(start, stop), ...]`: the parts of trainable variable `index`'s
-    update, in order (flat indices); None to update it whole."""
+    update, in order (flat indices); None to update it whole (also where
+    the backend's `update_in_parts` is None)."""
     located = optimizer._located.get(index)
-    if write_part is None or not located:
+    if update_in_parts is None or not located:
         return None
     variable = optimizer._trainable_variables[index]
     if getattr(variable, "constraint", None) is not None:
@@ -48,14 +61,53 @@ def bounds(optimizer, index, write_part):
     return [(start, min(start + step, size)) for start in range(0, size, step)]
 
 
-def write_back(optimizer, pairs, nearest, start, write_part):
+class Part:
+    """Flat elements `[start, start + length)` of a variable's update.
+
+    `start` may be a traced integer (JAX's loop); `length` is a Python
+    integer. `read(target)` gives a variable's (the weights', the
+    compensation's, a slot's codes' or scales') whole flat value now, and
+    `write(target, offset, value)` writes flat `value` over it from
+    `offset` (the backend's: in place on torch, into the loop's carry on
+    JAX).
+    """
+
+    def __init__(self, start, length, read, write):
+        self.start = start
+        self.length = length
+        self.read = read
+        self.write = write
+
+    def of(self, target):
+        """This part of `target` (a variable shaped like the weights)."""
+        return ops.slice(self.read(target), (self.start,), (self.length,))
+
+    def slot_value(self, slot):
+        """This part of an 8-bit slot, float32 (`start` on a block's
+        edge)."""
+        block = slot.block_size
+        count = quantization.blocks(self.length, block)
+        codes = ops.slice(
+            self.read(slot.codes), (self.start,), (count * block,)
+        )
+        scales = ops.slice(
+            self.read(slot.scales), (self.start // block,), (count,)
+        )
+        return slot.decoded(codes, scales, (self.length,))
+
+    def write_slot(self, slot, value, nearest):
+        """Quantizes float32 `value` into this part of the slot."""
+        codes, scales = slot.encoded(value, nearest)
+        self.write(slot.codes, self.start, codes)
+        self.write(slot.scales, self.start // slot.block_size, scales)
+
+
+def write_back(pairs, nearest, part):
     """Quantizes what a part's update wrote into its slice of each slot's
     codes and scales (`slots_8bit.write_back` of a part)."""
     for slot, view in pairs:
         if view.written:
-            codes, scales = slot.encoded(view.value, nearest)
-            write_part(optimizer, slot.codes, start, codes)
-            write_part(optimizer, slot.scales, start // slot.block_size, scales)
+            part.write_slot(slot, view.value, nearest)
 
 
-__all__ = ["PART_ELEMENTS", "bounds", "write_back"]
+__all__ = ["PART_ELEMENTS", "Part", "bounds", "write_back"]

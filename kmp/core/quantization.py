@@ -250,26 +250,13 @@ class QuantizedSlot:
     def read(self):
         """The slot's float32 value now (inside a stateless scope, the
         scope's values)."""
-        value = dequantize(
-            self.codes.value,
-            self.scales.value,
-            is_signed(self.name),
-            self.shape,
-            self.block_size,
-        )
-        return decode(value, self.name)
+        return self.decoded(self.codes.value, self.scales.value, self.shape)
 
-    def read_part(self, start, stop):
-        """Elements `[start, stop)` of the flat slot, float32 (`start` a
-        multiple of the block size)."""
-        end = blocks(stop - start, self.block_size) * self.block_size
-        first = start // self.block_size
+    def decoded(self, codes, scales, shape):
+        """The float32 value of `shape` that `codes` and `scales` (this
+        slot's, or a whole number of its blocks) hold."""
         value = dequantize(
-            self.codes.value[start : start + end],
-            self.scales.value[first : first + end // self.block_size],
-            is_signed(self.name),
-            (stop - start,),
-            self.block_size,
+            codes, scales, is_signed(self.name), shape, self.block_size
         )
         return decode(value, self.name)
 

@@ -59,7 +59,7 @@ def round_with_noise(value, dtype, noise):
     return ops.cast(ops.view(bits, "float32"), dtype)
 
 
-def stochastic_round(value, dtype, seed, streams, part=0):
+def stochastic_round(value, dtype, seed, streams, part=None):
     """Rounds float32 `value` to `dtype` (bfloat16 or float16), stochastically.
 
     A value rounds away from zero with probability equal to its distance
@@ -67,9 +67,9 @@ def stochastic_round(value, dtype, seed, streams, part=0):
     the result is unbiased. `seed` is two integers (a shape-[2] tensor or a
     list); the same seed gives the same rounding everywhere (a stateless,
     counter-based stream: `streams`, the backend's module of streams,
-    `kmp.core.low_precision.streams()`). `part`: the elements' place in a
-    variable updated in parts (`kmp.core.parts`): its first element's
-    index. For float16, values in its subnormal range round to nearest.
+    `kmp.core.low_precision.streams()`). `part`: for a part of a variable
+    (`kmp.core.parts`), the index of its first element in the variable.
+    For float16, values in its subnormal range round to nearest.
 
     >>> from kmp.core.low_precision import streams
     >>> x = keras.ops.full([4000], 1.0 + 2.0**-9)  # A quarter between.
@@ -187,40 +187,38 @@ class DequantizedView(Float32View):
 
 
 class PartView(Float32View):
-    """Elements `[start, stop)` of a variable (flattened) as a flat
-    float32 stand-in: `Float32View` of a part (`kmp.core.parts`)."""
+    """A part of a variable's update (`kmp.core.parts.Part`) as a flat
+    float32 stand-in: `Float32View` of its elements."""
 
-    def __init__(self, variable, compensation, dtype, start, stop):
-        super().__init__(variable, compensation, dtype, shape=(stop - start,))
-        self._bounds = (start, stop)
+    def __init__(self, variable, compensation, dtype, part):
+        super().__init__(variable, compensation, dtype, shape=(part.length,))
+        self.part = part
 
     @property
     def value(self):
         if self._now is None:
-            start, stop = self._bounds
-            value = ops.reshape(self.variable.value, (-1,))[start:stop]
-            value = ops.cast(value, self._dtype)
+            value = ops.cast(self.part.of(self.variable), self._dtype)
             if self._compensation is not None:
-                flat = ops.reshape(self._compensation.value, (-1,))
-                value = ops.add(value, ops.cast(flat[start:stop], self._dtype))
+                compensation = self.part.of(self._compensation)
+                value = ops.add(value, ops.cast(compensation, self._dtype))
             self._now = value
             self._read_version = _version(value)
         return self._now
 
 
 class DequantizedPartView(Float32View):
-    """Elements `[start, stop)` of an 8-bit slot as a flat float32
-    stand-in (`DequantizedView` of a part; `start` on a block's edge)."""
+    """A part of an 8-bit slot (`kmp.core.parts.Part`) as a flat float32
+    stand-in (`DequantizedView` of its elements)."""
 
-    def __init__(self, slot, start, stop):
-        super().__init__(slot.codes, None, "float32", shape=(stop - start,))
+    def __init__(self, slot, part):
+        super().__init__(slot.codes, None, "float32", shape=(part.length,))
         self.slot = slot
-        self._bounds = (start, stop)
+        self.part = part
 
     @property
     def value(self):
         if self._now is None:
-            self._now = self.slot.read_part(*self._bounds)
+            self._now = self.part.slot_value(self.slot)
             self._read_version = _version(self._now)
         return self._now
 

@@ -49,7 +49,7 @@ SMOKE = {
 # Scripts that run on every backend (here on the one the suite runs on).
 EVERY_BACKEND = {
     "eight_bit.py": (
-        "--quick --models digits --seeds 1 --no-memory --no-torchao"
+        "--quick --models digits,language --seeds 1 --no-memory --no-torchao"
         " --output {tmp}/eight_bit.json".split(),
         "bf16 + 8-bit state",
     ),
@@ -137,6 +137,9 @@ def test_script_runs_on_this_backend(name, tmp_path):
     assert document["backend"] == backend["KERAS_BACKEND"]
     kind = {"step_costs.py": "optimizer", "eight_bit.py": "configuration"}
     assert {r[kind[name]] for r in document["records"]} >= EXPECTED[name]
+    if name == "eight_bit.py":
+        language = [r for r in document["records"] if r["model"] == "language"]
+        assert language and all(r["floor"] > 1.8 for r in language)
 
 
 @pytest.mark.jax

@@ -35,12 +35,12 @@ def step_seed(seed, step, index: int):
     return jax.random.key_data(jax.random.fold_in(key, index))
 
 
-def random_bits(seed, like, part=0):
+def random_bits(seed, like, part=None):
     """16 uniform random bits per element of `like`, as int32; for a part
-    of a variable (`part`: its first element's index, not 0), from the key
-    with `part` folded in."""
+    of a variable (`part`: its first element's index, maybe traced), from
+    the key with `part` folded in."""
     key = jax.random.wrap_key_data(jnp.asarray(seed, jnp.uint32), impl=_IMPL)
-    if part:
-        key = jax.random.fold_in(key, part)
+    if part is not None:
+        key = jax.random.fold_in(key, jnp.asarray(part).astype(jnp.uint32))
     bits = jax.random.bits(key, jnp.shape(like), jnp.uint16)
     return bits.astype(jnp.int32)

@@ -55,15 +55,6 @@ def clip_gradients(inner, grads):
     return inner._clip_gradients(grads)
 
 
-def write_part(optimizer, variable, start, value):
-    """Writes flat `value` over `variable`'s flat elements from `start`
-    (a part of an update, `kmp.core.parts`): on JAX a
-    `dynamic_update_slice`, which XLA does in place."""
-    flat = ops.reshape(variable.value, (-1,))
-    flat = ops.slice_update(flat, (start,), ops.cast(value, flat.dtype))
-    optimizer.assign(variable, ops.reshape(flat, tuple(variable.shape)))
-
-
 # The float32 stand-in for an 8-bit slot, and how a value finds its code
 # (elementwise: XLA fuses it, on JAX and TensorFlow).
 slot_view = rounding.DequantizedView
@@ -76,5 +67,4 @@ __all__ = [
     "slot_view",
     "update_variable",
     "view",
-    "write_part",
 ]

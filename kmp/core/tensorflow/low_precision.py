@@ -80,7 +80,7 @@ slot_view = tf_rounding.DequantizedView
 nearest_code = quantization.nearest_code
 # Each large variable's update is compiled whole with XLA: none in parts
 # (`kmp.core.parts`).
-write_part = None
+update_in_parts = None
 
 
 def view(optimizer, variable, model_variable, compensation, dtype):

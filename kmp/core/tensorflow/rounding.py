@@ -40,9 +40,9 @@ def step_seed(seed, step, index: int):
     return tf.random.experimental.stateless_fold_in(seed, index, alg="philox")
 
 
-def random_bits(seed, like, part=0):
+def random_bits(seed, like, part=None):
     """16 uniform random bits per element of `like`, as int32 (Philox).
-    TensorFlow updates no variable in parts: `part` is always 0."""
+    TensorFlow updates no variable in parts: `part` is always None."""
     size = tf.size(like)
     # 16 random bits are enough: each 32-bit draw serves two elements.
     noise = tf.random.stateless_uniform(

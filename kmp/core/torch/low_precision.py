@@ -13,8 +13,10 @@ arithmetic happens in bfloat16. Nothing is recorded for autograd.
 import functools
 
 import torch
+from keras import ops
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 
+from kmp.core import parts
 from kmp.core import quantization
 from kmp.core import rounding
 from kmp.core.step import low_precision as shared
@@ -24,15 +26,32 @@ view = shared.view
 slot_view = shared.slot_view
 
 
-def write_part(optimizer, variable, start, value):
-    """Writes flat `value` over `variable`'s flat elements from `start`
-    (a part of an update, `kmp.core.parts`), in place (in a stateless
-    scope, into a new value: the scope's tensors are the caller's)."""
-    if in_stateless_scope():
-        shared.write_part(optimizer, variable, start, value)
-        return
-    flat = variable.value.view(-1)
-    flat[start : start + value.numel()].copy_(value)
+def update_in_parts(
+    optimizer, gradient, learning_rate, variable, index, bounds
+):
+    """Variable `index`'s update in parts (`kmp.core.parts`), one after
+    another, each written in place (in a stateless scope, into new values:
+    the scope's tensors are the caller's)."""
+    flat_gradient = gradient.reshape(-1)
+    stateless = in_stateless_scope()
+
+    def read(target):
+        return target.value.reshape(-1)
+
+    def write(target, offset, value):
+        if stateless:
+            flat = ops.slice_update(
+                read(target), (offset,), ops.cast(value, target.dtype)
+            )
+            optimizer.assign(target, flat.reshape(tuple(target.shape)))
+        else:
+            read(target)[offset : offset + value.numel()].copy_(value)
+
+    for start, stop in bounds:
+        part = parts.Part(start, stop - start, read, write)
+        optimizer._update_part(
+            flat_gradient[start:stop], learning_rate, variable, index, part
+        )
 
 
 def nearest_code(normalized, signed: bool):

@@ -69,13 +69,15 @@ def step_seed(seed, step, index: int):
     return torch.stack([key, torch.bitwise_xor(key, _GOLDEN)])
 
 
-def random_bits(seed, like, part=0):
+def random_bits(seed, like, part=None):
     """16 uniform random bits per element of `like`, as int32: the top
-    half of `_mix((position ^ first) + second)`, positions from `part` (a
-    part of a variable gets the bits of its place in the whole)."""
+    half of `_mix((position ^ first) + second)`, positions counted from
+    `part` (a part of a variable gets the bits of its place in the
+    whole)."""
     seed = torch.as_tensor(seed, dtype=torch.int64).to(like.device)
+    first = part or 0
     count = torch.arange(
-        part, part + like.numel(), dtype=torch.int64, device=like.device
+        first, first + like.numel(), dtype=torch.int64, device=like.device
     )
     bits = torch.bitwise_and(torch.bitwise_xor(count, seed[0]) + seed[1], _MASK)
     return (_mix(bits) >> 16).to(torch.int32).reshape(like.shape)
