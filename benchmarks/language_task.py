@@ -41,7 +41,7 @@ def floor() -> float:
     """The source's entropy rate in nats: the lowest reachable mean loss.
 
     >>> round(floor(), 4)
-    1.8306
+    1.8158
     """
     p = _probabilities()
     return float(-(p * np.log(p)).sum())

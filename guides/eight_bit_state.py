@@ -195,14 +195,15 @@ print("float16 recipe:", type(float16_recipe.inner_optimizer).__name__)
 #   Adam's in `benchmarks/eight_bit.py` (the most on torch, which runs
 #   each operation of the update on its own); on a GPU the update is a
 #   smaller part of a step, but measure.
-# * On JAX and TensorFlow, when one variable is very large against the
-#   rest. Its update runs in float32, and its float32 temporaries (the
-#   dequantized moments, their new values before they are written back)
-#   live at once: for the benchmark's MLP with 4096x4096 matrices the
-#   process's peak was higher than float32 Adam's, though the state was a
-#   third. On torch such a variable is updated in parts of a million
-#   elements, one after another, and the same MLP's peak fell to 0.39x
-#   float32 Adam's (451 against 1,146 MB).
+# * On TensorFlow, when one variable is very large against the rest. Its
+#   update runs in float32, and its float32 temporaries (the dequantized
+#   moments, their new values before they are written back) live at
+#   once: for the benchmark's MLP with 4096x4096 matrices the process's
+#   peak was higher than float32 Adam's (1,273 against 904 MB), though
+#   the state was a third. On JAX and torch such a variable is updated in
+#   parts of a million elements, one after another, and the same MLP's
+#   peak is below float32 Adam's: 713 against 751 MB on JAX, 431 against
+#   1,146 MB on torch.
 # * For small models: their state is not what fills the memory, and most
 #   of their variables are below `min_8bit_size` anyway.
 # * When `kmp.audit` names layers whose update 8 bits change by more than
