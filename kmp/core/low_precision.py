@@ -43,8 +43,8 @@ package: on TensorFlow (`kmp.core.tensorflow.low_precision`)
 elements or more, so no float32 temporaries are made at all; on torch
 (`kmp.core.torch.low_precision`) Keras's fused (`torch._foreach`) update
 where no variable needs rounding; on JAX (`kmp.core.jax.low_precision`)
-nothing more. On both, large variables with 8-bit slots are updated in
-parts, which bounds the temporaries (`kmp.core.parts`).
+nothing more. On all three, large variables with 8-bit slots are updated
+in parts, which bounds the temporaries (`kmp.core.parts`).
 On JAX the whole update is pure, so `stateless_apply` (which `fit` and a
 jitted loop call) works as for any Keras optimizer.
 
@@ -370,10 +370,12 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             )
             slot_view, write = _steps.slot_view, self.assign
         else:
-            view = rounding.PartView(model_variable, compensation, dtype, part)
+            view = _steps.part_view(
+                self, variable, model_variable, compensation, dtype, part
+            )
 
             def slot_view(slot):
-                return rounding.DequantizedPartView(slot, part)
+                return _steps.slot_part_view(slot, part)
 
             def write(target, value):
                 part.write(target, part.start, value)

@@ -1,4 +1,4 @@
-"""Large variables' 8-bit updates in parts, one after another (JAX, torch).
+"""Large variables' 8-bit updates in parts, one after another.
 
 With `slot_dtype="8bit"`, `kmp.LowPrecisionOptimizer` runs a variable's
 update in float32 on its dequantized slots: whole, the float32 temporaries
@@ -14,21 +14,21 @@ the next part starts, so the temporaries are those of one part (about
 How the parts run is the backend's (its module's `update_in_parts`):
 
 * torch: one after another, each written in place into the variables;
-* JAX: a `lax.fori_loop` over the whole parts, whose carry is the flat
-  arrays the parts write (`dynamic_update_slice`, in place: XLA reuses a
-  loop's buffers), then the last, shorter part; the arrays are assigned
-  once at the end. (Parts unrolled in Python did not bound the
-  temporaries: XLA recomputed a part's dequantized codes inside fusions
-  that ran after the next part's write, and copied the codes for them.)
-* TensorFlow: none; each large variable's update is compiled whole with
-  XLA (`kmp.core.tensorflow.low_precision`).
+* JAX and TensorFlow: a loop (`ops.fori_loop`: `lax.fori_loop`,
+  `tf.while_loop` inside the variable's XLA-compiled update) over the
+  whole parts, whose carry is the flat arrays the parts write
+  (`ops.slice_update`, in place: XLA reuses a loop's buffers), then the
+  last, shorter part; the arrays are assigned once at the end. (Parts
+  unrolled in Python did not bound the temporaries on JAX: XLA recomputed
+  a part's dequantized codes inside fusions that ran after the next
+  part's write, and copied the codes for them.)
 
 The same arithmetic as updating it whole (the updates of Adam, AdamW, Lion
 and SGD are elementwise, quantization block-wise): on torch bit for bit,
 stochastic rounding included (its bits come from each element's place in
 the variable); under XLA within a float32 rounding (it may fuse a multiply
 and an add otherwise for a part's shape), and a part's stochastic-rounding
-bits come from the variable's key with the part's first index folded in.
+bits come from the variable's seed with the part's first index folded in.
 Variables with a constraint (which reads the whole variable) are updated
 whole.
 """

@@ -3,10 +3,10 @@
 With `PART_ELEMENTS` made small, a 40x130 kernel (5,200 elements, not a
 whole number of parts or blocks) is updated in parts: weights, codes,
 scales and compensation come out as updating it whole (on torch bit for
-bit, written in place; on JAX within a float32 rounding), for each
-optimizer with 8-bit slots and every rounding, in every mode; on JAX the
-compiled step's temporaries shrink to a part's. TensorFlow updates every
-variable whole.
+bit, written in place; on JAX and TensorFlow, in a loop, within a float32
+rounding), for each optimizer with 8-bit slots and every rounding, in
+every mode, under `tf.distribute` and JAX's `DataParallel`; on JAX the
+compiled step's temporaries shrink to a part's.
 """
 
 import keras
@@ -24,10 +24,6 @@ from tests.support.low_precision import stepper
 ops = keras.ops
 SMALL = {"block_size": 32, "min_8bit_size": 64}
 PART = 1024  # 32 blocks: the kernel is 5 parts and a bit.
-
-pytestmark = pytest.mark.skipif(
-    backends.TENSORFLOW, reason="TensorFlow updates every variable whole"
-)
 
 
 def _model(policy):
@@ -101,9 +97,10 @@ def test_parts_give_the_whole_update_bit_for_bit(monkeypatch, name, mode):
 
 
 def _same(whole, split, bfloat16=False):
-    """torch: bit for bit. JAX: within a float32 rounding (XLA may fuse a
-    multiply and an add otherwise for a part's shape): a code on a
-    midpoint may take its neighbour, a bfloat16 weight the next value."""
+    """torch: bit for bit. JAX, TensorFlow: within a float32 rounding (XLA
+    may fuse a multiply and an add otherwise for a part's shape): a code
+    on a midpoint may take its neighbour, a bfloat16 weight the next
+    value."""
     assert len(whole) == len(split)
     for (name, want), (_, got) in zip(whole, split):
         if backends.TORCH:
@@ -128,7 +125,7 @@ def test_bfloat16_weights_in_parts(monkeypatch, rounding):
     mode = MODES[0]
     whole, _ = _train(monkeypatch, 10**9, "bfloat16", rounding, make, mode)
     split, _ = _train(monkeypatch, PART, "bfloat16", rounding, make, mode)
-    if rounding == "stochastic" and backends.JAX:
+    if rounding == "stochastic" and not backends.TORCH:
         # A part's bits: the variable's key with its first index folded
         # in. The kernel's weights take their own random walks, a few
         # bfloat16 steps apart; everything else is as when whole.
@@ -269,3 +266,57 @@ def test_on_jax_every_device_keeps_the_same_parts(monkeypatch):
     for variable in model.trainable_variables + optimizer.variables:
         copies = [np.asarray(s.data) for s in variable.value.addressable_shards]
         assert copies[0].tobytes() == copies[1].tobytes(), variable.path
+
+
+@pytest.mark.tensorflow
+def test_on_tensorflow_every_replica_keeps_the_same_parts(
+    monkeypatch, two_replicas
+):
+    monkeypatch.setattr(parts, "PART_ELEMENTS", PART)
+    made = _count_parts(monkeypatch)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 40)).astype("float32")
+    y = rng.integers(0, 3, 64)
+    with two_replicas.scope():
+        model = _model("bfloat16")
+        optimizer = kmp.LowPrecisionOptimizer(
+            keras.optimizers.Adam(1e-3),
+            "stochastic",
+            slot_dtype="8bit",
+            **SMALL,
+        )
+        model.compile(
+            optimizer=optimizer,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    assert optimizer.iterations.numpy() == 2 and made
+    codes = [v for v in optimizer.variables if v.path.endswith("_8bit")]
+    assert all(numpy_of(c).any() for c in codes)
+    for variable in model.trainable_variables + optimizer.variables:
+        copies = [c.numpy() for c in variable.value.values]
+        np.testing.assert_array_equal(copies[0], copies[1], variable.path)
+
+
+def _count_parts(monkeypatch):
+    """The parts made from now on (a list; in a loop, each traced once)."""
+    made = []
+
+    class Counted(parts.Part):
+        def __init__(self, start, length, read, write):
+            # A loop's start is a traced value: kept as None.
+            made.append((start if isinstance(start, int) else None, length))
+            super().__init__(start, length, read, write)
+
+    monkeypatch.setattr(parts, "Part", Counted)
+    return made
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_backend_and_mode_runs_the_parts(monkeypatch, mode):
+    made = _count_parts(monkeypatch)
+    _train(monkeypatch, PART, "float32", "nearest", OPTIMIZERS["adam"], mode, 1)
+    # torch: the 6 parts one by one; in a loop: the whole parts' body and
+    # the last part (5 * PART onwards, 80 elements), each traced.
+    assert (5 * PART, 5200 - 5 * PART) in made
+    assert len(made) >= 2

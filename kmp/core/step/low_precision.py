@@ -11,6 +11,7 @@ import keras
 from keras import ops
 
 from kmp.core import borrow
+from kmp.core import parts
 from kmp.core import quantization
 from kmp.core import rounding
 
@@ -55,6 +56,86 @@ def clip_gradients(inner, grads):
     return inner._clip_gradients(grads)
 
 
+def part_view(optimizer, variable, model_variable, compensation, dtype, part):
+    """The float32 stand-in for `part` of `variable` (`kmp.core.parts`)."""
+    return rounding.PartView(model_variable, compensation, dtype, part)
+
+
+def slot_part_view(slot, part):
+    """The float32 stand-in for `part` of an 8-bit slot."""
+    return rounding.DequantizedPartView(slot, part)
+
+
+def update_in_parts(
+    optimizer, gradient, learning_rate, variable, index, bounds
+):
+    """Variable `index`'s update in parts (`kmp.core.parts`; JAX and
+    TensorFlow): a loop (`ops.fori_loop`) over the whole parts, carrying
+    the flat arrays they write (`ops.slice_update`, in place under XLA),
+    then the last, shorter one; each array assigned once, at the end."""
+    model_variable = optimizer._trainable_variables[index]
+    targets = [variable]
+    compensation = optimizer._compensations[index]
+    if compensation is not None:
+        targets.append(compensation)
+    for _, slot in optimizer._located[index]:
+        targets += [slot.codes, slot.scales]
+    keys = {id(t): n for n, t in enumerate(targets)}
+    keys[id(model_variable)] = 0  # On TensorFlow `variable` may differ.
+    gradient_dtype = rounding.dtype_name(gradient.dtype)
+    gradient_bits = "uint16" if rounding.is_low(gradient_dtype) else None
+    gradient_bits = gradient_bits or gradient_dtype
+    flat_gradient = ops.view(ops.reshape(gradient, (-1,)), gradient_bits)
+    length = bounds[0][1] - bounds[0][0]
+    whole = [b for b in bounds if b[1] - b[0] == length]
+
+    # 16-bit floats are carried as their bits: XLA's CPU backend widens a
+    # bfloat16 array's update to float32 and back, whole, at every part.
+    dtypes = [rounding.dtype_name(t.dtype) for t in targets]
+    carried = ["uint16" if rounding.is_low(d) else d for d in dtypes]
+
+    def run(values, start, size):
+        values = list(values)
+
+        def read(target):
+            n = keys[id(target)]
+            if carried[n] == dtypes[n]:
+                return values[n]
+            return ops.view(values[n], dtypes[n])
+
+        def write(target, offset, value):
+            n = keys[id(target)]
+            value = ops.cast(value, dtypes[n])
+            if carried[n] != dtypes[n]:
+                value = ops.view(value, carried[n])
+            values[n] = ops.slice_update(values[n], (offset,), value)
+
+        part = parts.Part(start, size, read, write)
+        part_gradient = ops.slice(flat_gradient, (start,), (size,))
+        if gradient_dtype != gradient_bits:
+            part_gradient = ops.view(part_gradient, gradient_dtype)
+        optimizer._update_part(
+            part_gradient, learning_rate, variable, index, part
+        )
+        return tuple(values)
+
+    values = tuple(
+        ops.view(ops.reshape(ops.convert_to_tensor(t), (-1,)), c)
+        for t, c in zip(targets, carried)
+    )
+    values = ops.fori_loop(
+        0,
+        len(whole),
+        lambda i, values: run(values, i * length, length),
+        values,
+    )
+    for start, stop in bounds[len(whole) :]:
+        values = run(values, start, stop - start)
+    values = [ops.view(v, d) for v, d in zip(values, dtypes)]
+    for target, value in zip(targets, values):
+        optimizer.assign(target, ops.reshape(value, tuple(target.shape)))
+
+
 # The float32 stand-in for an 8-bit slot, and how a value finds its code
 # (elementwise: XLA fuses it, on JAX and TensorFlow).
 slot_view = rounding.DequantizedView
@@ -62,6 +143,9 @@ nearest_code = quantization.nearest_code
 
 __all__ = [
     "clip_gradients",
+    "part_view",
+    "slot_part_view",
+    "update_in_parts",
     "nearest_code",
     "routed_update",
     "slot_view",

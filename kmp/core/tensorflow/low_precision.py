@@ -18,6 +18,7 @@ from kmp.core import backend
 from kmp.core import borrow
 from kmp.core import quantization
 from kmp.core import rounding
+from kmp.core.step import low_precision as shared
 from kmp.core.tensorflow import apply as tf_apply
 from kmp.core.tensorflow import rounding as tf_rounding
 
@@ -78,9 +79,26 @@ def update_variable(optimizer, gradient, learning_rate, variable, index):
 # (elementwise: XLA fuses it; TensorFlow's graph runs it as it is).
 slot_view = tf_rounding.DequantizedView
 nearest_code = quantization.nearest_code
-# Each large variable's update is compiled whole with XLA: none in parts
-# (`kmp.core.parts`).
-update_in_parts = None
+# Large variables with 8-bit slots in parts (`kmp.core.parts`), inside
+# their compiled update: a `tf.while_loop` carrying the flat arrays.
+update_in_parts = shared.update_in_parts
+
+
+def slot_part_view(slot, part):
+    """The float32 stand-in for `part` of an 8-bit slot."""
+    return tf_rounding.DequantizedPartView(slot, part)
+
+
+def part_view(optimizer, variable, model_variable, compensation, dtype, part):
+    """The float32 stand-in for `part` of `variable` (`kmp.core.parts`)."""
+    return tf_rounding.PartView(
+        variable,
+        model_variable,
+        compensation,
+        optimizer.inner_optimizer._var_key(variable),
+        dtype,
+        part,
+    )
 
 
 def view(optimizer, variable, model_variable, compensation, dtype):

@@ -41,8 +41,13 @@ def step_seed(seed, step, index: int):
 
 
 def random_bits(seed, like, part=None):
-    """16 uniform random bits per element of `like`, as int32 (Philox).
-    TensorFlow updates no variable in parts: `part` is always None."""
+    """16 uniform random bits per element of `like`, as int32 (Philox);
+    for a part of a variable (`part`: its first element's index, maybe a
+    tensor), from the seed with `part` folded in."""
+    if part is not None:
+        seed = tf.random.experimental.stateless_fold_in(
+            tf.convert_to_tensor(seed), tf.cast(part, tf.int64), alg="philox"
+        )
     size = tf.size(like)
     # 16 random bits are enough: each 32-bit draw serves two elements.
     noise = tf.random.stateless_uniform(
@@ -148,6 +153,46 @@ class DequantizedView(Float32View):
     def value(self):
         if self._value is None:
             self._value = tf.convert_to_tensor(self.slot.read())
+        return self._value
+
+
+class PartView(Float32View):
+    """A part of a variable's update (`kmp.core.parts.Part`) as a flat
+    float32 stand-in: `Float32View` of its elements (`compensation`: the
+    compensation variable, read through the part)."""
+
+    def __init__(
+        self, variable, model_variable, compensation, key, dtype, part
+    ):
+        super().__init__(variable, model_variable, None, key, dtype)
+        self._part_compensation = compensation
+        self.part = part
+        self.shape = tf.TensorShape([part.length])
+
+    @property
+    def value(self):
+        if self._value is None:
+            value = tf.cast(self.part.of(self._variable), self.dtype)
+            if self._part_compensation is not None:
+                compensation = self.part.of(self._part_compensation)
+                value += tf.cast(compensation, self.dtype)
+            self._value = value
+        return self._value
+
+
+class DequantizedPartView(DequantizedView):
+    """A part of an 8-bit slot (`kmp.core.parts.Part`) as a flat float32
+    stand-in."""
+
+    def __init__(self, slot, part):
+        super().__init__(slot)
+        self.part = part
+        self.shape = tf.TensorShape([part.length])
+
+    @property
+    def value(self):
+        if self._value is None:
+            self._value = tf.convert_to_tensor(self.part.slot_value(self.slot))
         return self._value
 
 

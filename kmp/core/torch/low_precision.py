@@ -24,6 +24,8 @@ from kmp.core.step import low_precision as shared
 update_variable = shared.update_variable
 view = shared.view
 slot_view = shared.slot_view
+part_view = shared.part_view
+slot_part_view = shared.slot_part_view
 
 
 def update_in_parts(
