@@ -195,15 +195,14 @@ print("float16 recipe:", type(float16_recipe.inner_optimizer).__name__)
 #   Adam's in `benchmarks/eight_bit.py` (the most on torch, which runs
 #   each operation of the update on its own); on a GPU the update is a
 #   smaller part of a step, but measure.
-# * On TensorFlow, when one variable is very large against the rest. Its
-#   update runs in float32, and its float32 temporaries (the dequantized
-#   moments, their new values before they are written back) live at
-#   once: for the benchmark's MLP with 4096x4096 matrices the process's
-#   peak was higher than float32 Adam's (1,273 against 904 MB), though
-#   the state was a third. On JAX and torch such a variable is updated in
-#   parts of a million elements, one after another, and the same MLP's
-#   peak is below float32 Adam's: 713 against 751 MB on JAX, 431 against
-#   1,146 MB on torch.
+# * When one variable is very large against the rest, know what the peak
+#   holds. Its update runs in float32, so kmp updates a variable of over
+#   a million elements in parts of a million, one after another, and only
+#   a part's float32 temporaries live at once: the benchmark's MLP with
+#   4096x4096 matrices peaks at 704 MB on JAX, 403 MB on torch and 833 MB
+#   on TensorFlow against float32 Adam's 758, 1,146 and 904 MB. What the
+#   bytes table saves between steps, the peak saves only in part: the
+#   gradients, activations and the framework's own buffers stay.
 # * For small models: their state is not what fills the memory, and most
 #   of their variables are below `min_8bit_size` anyway.
 # * When `kmp.audit` names layers whose update 8 bits change by more than

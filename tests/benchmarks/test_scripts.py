@@ -70,6 +70,10 @@ EXPECTED = {
 # Scripts for one backend: the mark that skips them elsewhere, and the
 # KERAS_BACKEND their subprocess gets.
 JAX_ONLY = {
+    "low_bit_look.py": (
+        "--quick --output {tmp}/low_bit_look.json".split(),
+        "held-out loss",
+    ),
     "jax_overhead.py": (["--quick", "--models", "mlp"], "bfloat16 speed-up"),
     "jax_apply_or_skip.py": (
         "--variables 4 --repeats 1 --steps 2".split(),
@@ -78,7 +82,7 @@ JAX_ONLY = {
 }
 
 # Libraries imported by the scripts: they only need to import.
-LIBRARIES = {"common.py", "report.py"}
+LIBRARIES = {"common.py", "language_task.py", "report.py"}
 
 
 def _run(args, cwd, extra_env=None):
@@ -158,3 +162,24 @@ def test_library_imports(name, tmp_path):
     )
     result = _run(["-c", code], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_language_task_text_follows_its_source(monkeypatch):
+    """Each next token is one of its token's successors, the first more
+    often than the last, and the floor is the successors' entropy."""
+    import numpy as np
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import language_task as task
+
+    x, y = task.sequences(64, seed=3)
+    assert x.shape == y.shape == (64, task.LENGTH)
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+    table = task._successors()
+    picks = (table[x] == y[..., None]).argmax(-1)
+    assert (table[x, picks] == y).all()
+    counts = np.bincount(picks.ravel(), minlength=task.SUCCESSORS)
+    assert counts[0] > 3 * counts[-1]
+    p = 1 / np.arange(1, task.SUCCESSORS + 1)
+    p /= p.sum()
+    assert abs(task.floor() + (p * np.log(p)).sum()) < 1e-12
