@@ -235,19 +235,15 @@ def test_a_skipped_step_leaves_every_part_as_it_was(monkeypatch):
     assert not np.array_equal(state(model, optimizer)[0], after[0])
 
 
-@pytest.mark.jax
-def test_on_jax_every_device_keeps_the_same_parts(monkeypatch):
-    import jax
-
-    devices = jax.devices("cpu")
-    if len(devices) < 2:
-        pytest.skip("needs 2 CPU devices (tests/conftest.py sets them)")
+def _fit_replicated(monkeypatch, scope):
+    """A bfloat16 model with 8-bit state built under `scope` and fitted
+    for 2 steps in parts; returns (model, optimizer, parts made)."""
     monkeypatch.setattr(parts, "PART_ELEMENTS", PART)
-    distribution = keras.distribution.DataParallel(devices=devices[:2])
+    made = _count_parts(monkeypatch)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 40)).astype("float32")
     y = rng.integers(0, 3, 64)
-    with distribution.scope():
+    with scope:
         model = _model("bfloat16")
         optimizer = kmp.LowPrecisionOptimizer(
             keras.optimizers.Adam(1e-3),
@@ -259,11 +255,22 @@ def test_on_jax_every_device_keeps_the_same_parts(monkeypatch):
             optimizer=optimizer,
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
-        model.fit(x, y, batch_size=32, verbose=0)
-    assert int(optimizer.iterations) == 2
+        model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    assert int(optimizer.iterations.numpy()) == 2 and made
     codes = [v for v in optimizer.variables if v.path.endswith("_8bit")]
     assert all(numpy_of(c).any() for c in codes)
-    for variable in model.trainable_variables + optimizer.variables:
+    return model.trainable_variables + optimizer.variables
+
+
+@pytest.mark.jax
+def test_on_jax_every_device_keeps_the_same_parts(monkeypatch):
+    import jax
+
+    devices = jax.devices("cpu")
+    if len(devices) < 2:
+        pytest.skip("needs 2 CPU devices (tests/conftest.py sets them)")
+    distribution = keras.distribution.DataParallel(devices=devices[:2])
+    for variable in _fit_replicated(monkeypatch, distribution.scope()):
         copies = [np.asarray(s.data) for s in variable.value.addressable_shards]
         assert copies[0].tobytes() == copies[1].tobytes(), variable.path
 
@@ -272,28 +279,7 @@ def test_on_jax_every_device_keeps_the_same_parts(monkeypatch):
 def test_on_tensorflow_every_replica_keeps_the_same_parts(
     monkeypatch, two_replicas
 ):
-    monkeypatch.setattr(parts, "PART_ELEMENTS", PART)
-    made = _count_parts(monkeypatch)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 40)).astype("float32")
-    y = rng.integers(0, 3, 64)
-    with two_replicas.scope():
-        model = _model("bfloat16")
-        optimizer = kmp.LowPrecisionOptimizer(
-            keras.optimizers.Adam(1e-3),
-            "stochastic",
-            slot_dtype="8bit",
-            **SMALL,
-        )
-        model.compile(
-            optimizer=optimizer,
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
-    model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
-    assert optimizer.iterations.numpy() == 2 and made
-    codes = [v for v in optimizer.variables if v.path.endswith("_8bit")]
-    assert all(numpy_of(c).any() for c in codes)
-    for variable in model.trainable_variables + optimizer.variables:
+    for variable in _fit_replicated(monkeypatch, two_replicas.scope()):
         copies = [c.numpy() for c in variable.value.values]
         np.testing.assert_array_equal(copies[0], copies[1], variable.path)
 
