@@ -54,7 +54,12 @@ Configurations (Adam at the model's learning rate in all):
   rounding="stochastic")` (bfloat16 moments: 6 bytes);
 * `bf16 + 8-bit state`: the same with `slot_dtype="8bit"` (about 4);
 * `float32 + 8-bit state`: float32 weights, 8-bit moments (about 6:
-  bitsandbytes' and torchao's configuration).
+  bitsandbytes' and torchao's configuration);
+* `bf16 + 4-bit state`, `bf16 + float8 state`: bfloat16 weights with
+  `slot_dtype="4bit"` (about 3) or `"float8"` (about 4).
+
+`--configurations` runs some of them (with `--merge`, their records
+replace those of the same model and configuration in the file).
 """
 
 import argparse
@@ -77,7 +82,11 @@ CONFIGURATIONS = (
     "bf16 + 16-bit state",
     "bf16 + 8-bit state",
     "float32 + 8-bit state",
+    "bf16 + 4-bit state",
+    "bf16 + float8 state",
 )
+# Each configuration's quantized `slot_dtype`, by the words it holds.
+SLOT_DTYPES = {"8-bit": "8bit", "4-bit": "4bit", "float8": "float8"}
 # Per model: epochs of training. The transformer's task is learnt to a
 # loss near 0 within a few epochs, where a ratio of losses is noise: its
 # loss is compared after one epoch (16 steps), while it still falls.
@@ -108,8 +117,11 @@ def _optimizer(configuration, learning_rate, seed=0, inner=None):
     if configuration == "bf16 + 16-bit state":
         return kmp.LowPrecisionOptimizer(inner, "stochastic", seed=seed)
     rounding = "stochastic" if configuration.startswith("bf16") else "nearest"
+    slot_dtype = next(
+        dtype for word, dtype in SLOT_DTYPES.items() if word in configuration
+    )
     return kmp.LowPrecisionOptimizer(
-        inner, rounding, slot_dtype="8bit", seed=seed
+        inner, rounding, slot_dtype=slot_dtype, seed=seed
     )
 
 
@@ -335,9 +347,9 @@ def _peak_bytes() -> int:
     return 0
 
 
-def measure_memory(quick):
+def measure_memory(quick, configurations=CONFIGURATIONS):
     records = []
-    for configuration in CONFIGURATIONS:
+    for configuration in configurations:
         result = subprocess.run(
             [sys.executable, __file__, "--memory-child", configuration]
             + (["--quick"] if quick else []),
@@ -459,10 +471,11 @@ def run(args):
 
     backend = keras.backend.backend()
     records = []
+    configurations = _configurations(args)
     for model_name in [m for m in args.models.split(",") if m]:
         epochs = QUICK_EPOCHS if args.quick else MODELS[model_name]
         for seed in range(1 if args.quick else args.seeds):
-            for configuration in CONFIGURATIONS:
+            for configuration in configurations:
                 record = train(
                     model_name, configuration, seed, epochs, args.quick
                 )
@@ -475,7 +488,7 @@ def run(args):
                     f"{record['step_ms']:.1f} ms/step",
                     flush=True,
                 )
-    memory = measure_memory(args.quick) if args.memory else []
+    memory = measure_memory(args.quick, configurations) if args.memory else []
     for row in memory:
         print(
             f"memory {row['configuration']:22}: state {row['state_mb']:.0f} "
@@ -513,17 +526,41 @@ def run(args):
     print(f"Wrote {output}")
 
 
+def _configurations(args):
+    """The configurations `--configurations` names (all by default)."""
+    if args.configurations is None:
+        return CONFIGURATIONS
+    named = [c.strip() for c in args.configurations.split(",") if c.strip()]
+    unknown = sorted(set(named) - set(CONFIGURATIONS))
+    if unknown:
+        raise SystemExit(
+            f"--configurations: unknown {unknown}; choose from "
+            f"{', '.join(CONFIGURATIONS)}"
+        )
+    return tuple(c for c in CONFIGURATIONS if c in named)
+
+
 def _merged(old, new, args):
-    """`old` with the records of the models just run (and the memory and
-    side by side, where run) replaced by `new`'s; each model's command is
-    kept under `commands`."""
+    """`old` with the records of the models and configurations just run
+    (and their memory rows, and the side by side, where run) replaced by
+    `new`'s; each model's command (per configuration, where only some
+    ran) is kept under `commands`."""
     ran = {m for m in args.models.split(",") if m}
-    kept = [r for r in old["records"] if r["model"] not in ran]
+    configurations = set(_configurations(args))
+    kept = [
+        r
+        for r in old["records"]
+        if r["model"] not in ran or r["configuration"] not in configurations
+    ]
     commands = dict(old.get("commands") or {})
-    for model in {r["model"] for r in old["records"]} - ran:
+    for model in {r["model"] for r in old["records"]}:
         commands.setdefault(model, old["command"])
     for model in ran:
-        commands[model] = new["command"]
+        if configurations == set(CONFIGURATIONS):
+            commands[model] = new["command"]
+        else:
+            for configuration in sorted(configurations):
+                commands[f"{model}, {configuration}"] = new["command"]
     merged = dict(old)
     merged.update(
         records=kept + new["records"],
@@ -532,7 +569,14 @@ def _merged(old, new, args):
         versions=new["versions"],
     )
     if args.memory:
-        merged["memory"] = new["memory"]
+        merged["memory"] = [
+            row
+            for row in old["memory"]
+            if row["configuration"] not in configurations
+        ] + new["memory"]
+        merged["memory"].sort(
+            key=lambda row: CONFIGURATIONS.index(row["configuration"])
+        )
     if new["torch_side_by_side"] is not None:
         merged["torch_side_by_side"] = new["torch_side_by_side"]
     return merged
@@ -643,6 +687,8 @@ def summarize(output=None):
             group = f"{model}, {backend}"
             for configuration in CONFIGURATIONS:
                 rows = _rows(records, model, configuration)
+                if not rows:
+                    continue
                 series = configuration
                 bytes_.append(
                     {
@@ -739,7 +785,11 @@ def summarize(output=None):
             "unit": "x",
             "decimals": 3,
             "better": "lower",
-            "goals": {"bf16 + 8-bit state": {"op": "<=", "value": 0.35}},
+            "goals": {
+                c: {"op": "<=", "value": 0.35}
+                for c in CONFIGURATIONS
+                if c.startswith("bf16 + ") and "16-bit" not in c
+            },
             "measurements": bytes_,
         },
         {
@@ -867,6 +917,11 @@ def main(argv=None):
         dest="torchao",
         action="store_false",
         help="on torch, skip the side by side with torchao",
+    )
+    parser.add_argument(
+        "--configurations",
+        default=None,
+        help="a comma-separated list: " + ", ".join(CONFIGURATIONS),
     )
     parser.add_argument("--output", default=None)
     parser.add_argument(

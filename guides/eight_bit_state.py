@@ -2,7 +2,7 @@
 Title: 8-bit optimizer state
 Description: Fine-tuning with a third of float32 Adam's memory:
 kmp.LowPrecisionOptimizer(slot_dtype="8bit"), what it keeps, what it
-costs, and when not to use it.
+costs, when not to use it, and its 4-bit and float8 forms.
 
 With Adam, a model in float32 costs 12 bytes per parameter before a single
 activation: 4 for the weight, 8 for its two moments. Mixed precision does
@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import kmp  # noqa: E402
+from kmp.core import codes  # noqa: E402
 from kmp.core import quantization  # noqa: E402
 
 keras.utils.set_random_seed(0)
@@ -69,7 +70,7 @@ for name, per_parameter in [
 # where a linear int8 code would round them to 0 (bitsandbytes' design,
 # Dettmers et al., 2022):
 
-code = quantization.dynamic_code(signed=False)
+code = codes.dynamic_code(signed=False)
 print("values of the code:", len(code), "from", code[1], "to", code[-1])
 print("between 0.1 and 1:", int(np.sum(code >= 0.1)), "of them")
 
@@ -144,6 +145,46 @@ for name, model in [("float32 Adam", float32_copy), ("8-bit", eight_bit)]:
 # the time per step and the peak memory of a 42-million-parameter MLP (on
 # the performance page of the documentation).
 
+# ## 4 bits and float8
+#
+# Two more forms of the same state, built because they held the accuracy
+# goal of the 8-bit one (`benchmarks/low_bit_look.py` simulated them
+# first; `benchmarks/eight_bit.py` measures what is built):
+#
+# * `slot_dtype="4bit"`: 16 values per code (0 and values evenly spaced in
+#   log10, over 2 decades for the first moment, 4 for the second's root),
+#   two codes to a byte, a scale per block of 128 (torchao's `AdamW4bit`
+#   block size): about 3.06 bytes per parameter with bfloat16 weights,
+#   a quarter of float32 Adam's;
+# * `slot_dtype="float8"`: each code is a float8_e4m3fn number (its byte;
+#   3 bits of mantissa over 17 octaves), a scale per block of 256
+#   (torchao's `AdamWFp8`): the bytes of 8 bits, a float's precision in
+#   place of the dynamic code's.
+
+for slot_dtype in ("4bit", "float8"):
+    model = kmp.convert(
+        pretrained,
+        "bfloat16",
+        rounding="stochastic",
+        slot_dtype=slot_dtype,
+        seed=0,
+    )
+    model.fit(x_train, y_train, epochs=epochs, verbose=0)
+    accuracy = model.evaluate(x_test, y_test, verbose=0)[1]
+    per_parameter = [
+        line.split("weights + state ")[1].split(" (")[0]
+        for line in kmp.summary(model).splitlines()
+        if "weights + state" in line
+    ][0]
+    print(
+        f"{slot_dtype:>6}: test accuracy {100 * accuracy:.1f}%, {per_parameter}"
+    )
+
+# Everything below holds for them as for 8 bits. 4 bits keep the least
+# precision: a moment below a hundredth of its block's largest reads as 0
+# (the second moment's root, below a ten-thousandth), so where `kmp.audit`
+# finds 8 bits borderline, 4 bits are not the place to save.
+
 # ## What stays at full precision
 #
 # Only the moments of Adam, AdamW and Lion, and SGD's momentum, are 8-bit,
@@ -153,10 +194,10 @@ for name, model in [("float32 Adam", float32_copy), ("8-bit", eight_bit)]:
 # expressions of their paths (an embedding, say). Their slots follow
 # `slot_dtype=None`: the variable's dtype.
 
-codes = [
+quantized = [
     v.path for v in eight_bit.optimizer.variables if v.path.endswith("_8bit")
 ]
-print("8-bit slots:", len(codes), "e.g.", codes[0].split("/")[-1])
+print("8-bit slots:", len(quantized), "e.g.", quantized[0].split("/")[-1])
 
 # `kmp.audit` tells where 8 bits would lose too much: it averages the
 # audited batches' gradients into Adam's moments, writes them to 8 bits and

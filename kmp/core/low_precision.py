@@ -26,7 +26,8 @@ second moment, a squared gradient, underflows float16.
 `slot_dtype="bfloat16"` keeps every slot in bfloat16 while its arithmetic
 stays float32, for float32 (mixed-precision) variables too;
 `slot_dtype="8bit"` keeps the moments of Adam, AdamW, Lion and SGD in one
-byte per element with a scale per block (`kmp.core.slots_8bit`). Float32
+byte per element with a scale per block, `"4bit"` in half a byte,
+`"float8"` as float8_e4m3fn bytes (`kmp.core.quantized_slots`). Float32
 variables are written back exactly: with them and the default `slot_dtype`,
 results are the inner optimizer's, bit for bit.
 
@@ -43,7 +44,7 @@ package: on TensorFlow (`kmp.core.tensorflow.low_precision`)
 elements or more, so no float32 temporaries are made at all; on torch
 (`kmp.core.torch.low_precision`) Keras's fused (`torch._foreach`) update
 where no variable needs rounding; on JAX (`kmp.core.jax.low_precision`)
-nothing more. On all three, large variables with 8-bit slots are updated
+nothing more. On all three, large variables with quantized slots are updated
 in parts, which bounds the temporaries (`kmp.core.parts`).
 On JAX the whole update is pure, so `stateless_apply` (which `fit` and a
 jitted loop call) works as for any Keras optimizer.
@@ -65,8 +66,8 @@ from kmp.core import checks
 from kmp.core import low_precision_arguments as arguments
 from kmp.core import optimizer_arguments
 from kmp.core import parts
+from kmp.core import quantized_slots
 from kmp.core import rounding
-from kmp.core import slots_8bit
 from kmp.core.step import low_precision as step_shared
 
 # This backend's step (`apply_update`, `update_variable`, `view`) and random
@@ -83,6 +84,7 @@ else:
 
 ROUNDINGS = arguments.ROUNDINGS
 SLOT_DTYPES = arguments.SLOT_DTYPES
+QUANTIZED = arguments.QUANTIZED
 UNSUPPORTED_INNER_OPTIONS = arguments.UNSUPPORTED_INNER_OPTIONS
 check_seed = arguments.check_seed
 
@@ -119,15 +121,18 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             `"bfloat16"` halves those slots (float32's range, 8
             significant bits); `"float16"` is for optimizers whose slots
             hold no squares (SGD's momentum), if at all. `"8bit"`: the
-            moments of Adam, AdamW, Lion and SGD's momentum in one byte
-            per element plus a float32 scale per block
-            (`kmp.core.quantization`), for variables of `min_8bit_size`
-            elements or more; other slots as with None.
-        block_size: With `"8bit"`: elements per scale (default 256).
-        min_8bit_size: With `"8bit"`: the smallest variable whose slots
-            are 8-bit, in elements (default 4096).
-        exclude_from_8bit: With `"8bit"`: regular expressions; the slots
-            of a variable whose path one matches keep their dtype.
+            moments of Adam, AdamW, Lion and SGD's momentum in a byte per
+            element plus a float32 scale per block, for variables of
+            `min_8bit_size` elements or more (others as with None);
+            `"4bit"` in half a byte, `"float8"` as float8_e4m3fn
+            (`kmp.core.quantization`, `kmp.core.codes`).
+        block_size: With a quantized `slot_dtype`: elements per scale
+            (default 256; 128 for `"4bit"`, which needs an even one).
+        min_8bit_size: With a quantized `slot_dtype`: the smallest
+            variable whose slots are quantized, in elements (default 4096).
+        exclude_from_8bit: With a quantized `slot_dtype`: regular
+            expressions; the slots of a variable whose path one matches
+            keep their dtype.
         seed: The stochastic-rounding seed, an integer in [0, 2**63 - 1]
             (NumPy's too); None draws one from Python's `random` (seeded by
             `keras.utils.set_random_seed`), which the config then holds.
@@ -218,7 +223,8 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
 
     @property
     def quantized(self) -> bool:
-        """Whether any slot is 8-bit (`slot_dtype="8bit"`, once built)."""
+        """Whether any slot is quantized (`slot_dtype="8bit"`, `"4bit"`
+        or `"float8"`, once built)."""
         return bool(self._located)
 
     @property
@@ -269,7 +275,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
     def _build_inner(self, var_list):
         inner = self._inner_optimizer
         slot_dtype = self._slot_dtype
-        if slot_dtype == slots_8bit.SLOT_DTYPE:
+        if slot_dtype in quantized_slots.SLOT_DTYPES:
             slot_dtype = None
         if (
             self._plan is None
@@ -292,12 +298,14 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         lent = {"add_variable": add_variable}
         slots = []
         if self._plan is not None:
-            lent["add_variable_from_reference"] = slots_8bit.lent_builder(
+            lent["add_variable_from_reference"] = quantized_slots.lent_builder(
                 self._plan, inner, slots
             )
         with borrow.lent(inner, **lent):
             inner.build(var_list)
-        object.__setattr__(self, "_located", slots_8bit.locate(inner, slots))
+        object.__setattr__(
+            self, "_located", quantized_slots.locate(inner, slots)
+        )
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
@@ -381,10 +389,10 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
                 part.write(target, part.start, value)
 
         self._decay(view, model_variable, learning_rate)
-        with slots_8bit.views(self._located, index, slot_view) as pairs:
+        with quantized_slots.views(self._located, index, slot_view) as pairs:
             type(inner).update_step(inner, gradient, view, learning_rate)
         if part is None:
-            slots_8bit.write_back(self, pairs, _steps.nearest_code)
+            quantized_slots.write_back(self, pairs, _steps.nearest_code)
         else:
             parts.write_back(pairs, _steps.nearest_code, part)
         if not view.written:
@@ -463,7 +471,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             "rounding": self._rounding,
             "slot_dtype": self._slot_dtype,
             "seed": self.seed,
-            **slots_8bit.config(self._plan),
+            **quantized_slots.config(self._plan),
         }
 
     @classmethod

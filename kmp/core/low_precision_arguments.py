@@ -6,10 +6,11 @@ import numbers
 import keras
 
 from kmp.core import checks
-from kmp.core import slots_8bit
+from kmp.core import quantized_slots
 
 ROUNDINGS = ("kahan", "stochastic", "nearest")
 SLOT_DTYPES = ("bfloat16", "float16", "float32")
+QUANTIZED = quantized_slots.SLOT_DTYPES  # "8bit", "4bit", "float8".
 _MAX_SEED = 2**63 - 1
 # Not supported with the inner optimizer, and why: what `convert` says too.
 UNSUPPORTED_INNER_OPTIONS = (
@@ -30,7 +31,7 @@ def check_arguments(
     wrapper_class, inner, rounding, slot_dtype, seed, **eight_bit
 ):
     """Validates the constructor's arguments; changes nothing. Returns the
-    8-bit plan (`kmp.core.slots_8bit.Plan`), or None."""
+    quantization plan (`kmp.core.quantized_slots.Plan`), or None."""
     if isinstance(inner, (keras.optimizers.LossScaleOptimizer, wrapper_class)):
         allowed = (
             "a plain Keras optimizer; for loss scaling wrap the other way "
@@ -52,7 +53,7 @@ def check_arguments(
         )
     for argument, value, choices in (
         ("rounding", rounding, ROUNDINGS),
-        ("slot_dtype", slot_dtype, (None, *SLOT_DTYPES, "8bit")),
+        ("slot_dtype", slot_dtype, (None, *SLOT_DTYPES, *QUANTIZED)),
     ):
         allowed = "one of " + ", ".join(map(repr, choices))
         if value is not None and not isinstance(value, str):
@@ -60,7 +61,7 @@ def check_arguments(
         if value not in choices:
             _refuse(ValueError, argument, allowed, value)
     check_seed(seed)
-    return slots_8bit.check_arguments(inner, slot_dtype, **eight_bit)
+    return quantized_slots.check_arguments(inner, slot_dtype, **eight_bit)
 
 
 def check_seed(seed) -> None:

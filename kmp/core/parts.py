@@ -1,11 +1,12 @@
-"""Large variables' 8-bit updates in parts, one after another.
+"""Large variables' updates with quantized slots in parts, one after another.
 
-With `slot_dtype="8bit"`, `kmp.LowPrecisionOptimizer` runs a variable's
+With `slot_dtype="8bit"` (or `"4bit"`, `"float8"`),
+`kmp.LowPrecisionOptimizer` runs a variable's
 update in float32 on its dequantized slots: whole, the float32 temporaries
 of one 4096x4096 kernel's Adam step (its moments read and written, the
 weights, the gradient, the codes' intermediates) are several times the
 state the 8 bits save. So a variable of more than `PART_ELEMENTS` elements
-whose slots are 8-bit is updated in parts of `PART_ELEMENTS` (a whole
+whose slots are quantized is updated in parts of `PART_ELEMENTS` (a whole
 number of blocks): each part reads its slice of the weights, the
 compensation and the slots' codes and scales, and writes it back, before
 the next part starts, so the temporaries are those of one part (about
@@ -83,12 +84,14 @@ class Part:
         return ops.slice(self.read(target), (self.start,), (self.length,))
 
     def slot_value(self, slot):
-        """This part of an 8-bit slot, float32 (`start` on a block's
+        """This part of a quantized slot, float32 (`start` on a block's
         edge)."""
         block = slot.block_size
         count = quantization.blocks(self.length, block)
         codes = ops.slice(
-            self.read(slot.codes), (self.start,), (count * block,)
+            self.read(slot.codes),
+            (quantization.byte_count(self.start, slot.code),),
+            (quantization.byte_count(count * block, slot.code),),
         )
         scales = ops.slice(
             self.read(slot.scales), (self.start // block,), (count,)
@@ -98,13 +101,14 @@ class Part:
     def write_slot(self, slot, value, nearest):
         """Quantizes float32 `value` into this part of the slot."""
         codes, scales = slot.encoded(value, nearest)
-        self.write(slot.codes, self.start, codes)
+        start = quantization.byte_count(self.start, slot.code)
+        self.write(slot.codes, start, codes)
         self.write(slot.scales, self.start // slot.block_size, scales)
 
 
 def write_back(pairs, nearest, part):
     """Quantizes what a part's update wrote into its slice of each slot's
-    codes and scales (`slots_8bit.write_back` of a part)."""
+    codes and scales (`quantized_slots.write_back` of a part)."""
     for slot, view in pairs:
         if view.written:
             part.write_slot(slot, view.value, nearest)

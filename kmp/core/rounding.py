@@ -33,9 +33,9 @@ def dtype_name(dtype) -> str:
 
 
 def is_low(dtype) -> bool:
-    """Whether `dtype` is bfloat16 or float16 (None and `"8bit"`, the
-    8-bit slots' name, are not)."""
-    if dtype is None or dtype == "8bit":
+    """Whether `dtype` is bfloat16 or float16 (None and the quantized
+    slots' names, `"8bit"`, `"4bit"` and `"float8"`, are not)."""
+    if dtype is None or dtype in ("8bit", "4bit", "float8"):
         return False
     return dtype_name(dtype) in LOW_PRECISION_BITS
 
@@ -165,7 +165,7 @@ class Float32View(keras.Variable):
 
 
 class DequantizedView(Float32View):
-    """An 8-bit slot's float32 stand-in for one call of an `update_step`
+    """A quantized slot's float32 stand-in for one call of an `update_step`
     (JAX, torch; `kmp.core.quantization.QuantizedSlot`): reads as the slot's
     dequantized value, computed once; assignments replace that value and
     touch no variable (the caller quantizes what was written)."""
@@ -207,7 +207,7 @@ class PartView(Float32View):
 
 
 class DequantizedPartView(Float32View):
-    """A part of an 8-bit slot (`kmp.core.parts.Part`) as a flat float32
+    """A part of a quantized slot (`kmp.core.parts.Part`) as a flat float32
     stand-in (`DequantizedView` of its elements)."""
 
     def __init__(self, slot, part):

@@ -50,8 +50,9 @@ SMOKE = {
 EVERY_BACKEND = {
     "eight_bit.py": (
         "--quick --models digits,language --seeds 1 --no-memory --no-torchao"
-        " --output {tmp}/eight_bit.json".split(),
-        "bf16 + 8-bit state",
+        " --output {tmp}/eight_bit.json".split()
+        + ["--configurations", "float32,bf16 + 8-bit state,bf16 + 4-bit state"],
+        "bf16 + 4-bit state",
     ),
     "step_costs.py": (
         "--sizes 4 --steps 1 --time-steps 2 --time-repeats 1 --loops loop"
@@ -63,7 +64,7 @@ EVERY_BACKEND = {
 # The file each writes, and what its records must hold.
 OUTPUTS = {"eight_bit.py": "eight_bit.json", "step_costs.py": "step_costs.json"}
 EXPECTED = {
-    "eight_bit.py": {"float32", "bf16 + 8-bit state"},
+    "eight_bit.py": {"float32", "bf16 + 8-bit state", "bf16 + 4-bit state"},
     "step_costs.py": {"plain", "kmp"},
 }
 

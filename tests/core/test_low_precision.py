@@ -630,14 +630,14 @@ def test_global_clipnorm_of_bfloat16_and_float32_gradients(mode):
             {"slot_dtype": "int8"},
             ValueError,
             "'slot_dtype' must be one of None, 'bfloat16', 'float16', "
-            "'float32', '8bit'. Received: slot_dtype='int8'",
+            "'float32', '8bit', '4bit', 'float8'. Received: slot_dtype='int8'",
         ),
         (
             keras.optimizers.Adam,
             {"slot_dtype": backends.native_dtype("bfloat16")},
             TypeError,
             "'slot_dtype' must be one of None, 'bfloat16', 'float16', "
-            "'float32', '8bit'. Received: slot_dtype=",
+            "'float32', '8bit', '4bit', 'float8'. Received: slot_dtype=",
         ),
         (keras.optimizers.Adam, {"seed": -1}, ValueError, "seed=-1"),
         (keras.optimizers.Adam, {"seed": 2**63}, ValueError, "2**63 - 1"),

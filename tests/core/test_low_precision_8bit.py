@@ -1,4 +1,5 @@
-"""Tests for `kmp.LowPrecisionOptimizer(..., slot_dtype="8bit")`.
+"""Tests for `kmp.LowPrecisionOptimizer(..., slot_dtype="8bit")`, and its
+4-bit and float8 forms (`"4bit"`, `"float8"`).
 
 On every backend: the slots it makes (codes and block scales, small and
 excluded variables at full precision), the update (the inner optimizer's
@@ -7,7 +8,9 @@ mode alike (eager, `tf.function`, XLA, a jitted `stateless_apply`), a
 skipped step leaving codes, scales and weights bit-identical inside
 `kmp.LossScaleOptimizer`, float16 and bfloat16 weights with every
 rounding, `.keras` files and bit-exact resume, replicas that stay
-identical, and errors for settings that cannot work.
+identical, and errors for settings that cannot work. The tests of what
+depends on the code (its variables, the update, skips, files, replicas)
+run for every code.
 """
 
 import os
@@ -17,6 +20,7 @@ import numpy as np
 import pytest
 
 import kmp
+from kmp.core import codes
 from kmp.core import quantization as q
 from kmp.core.low_precision import LowPrecisionOptimizer
 from tests.support import backends
@@ -34,6 +38,8 @@ ops = keras.ops
 # Small enough for tiny models: the 8x16 kernel (128 elements) is 8-bit
 # in 4 blocks, the 16-element bias is not.
 SMALL = {"block_size": 32, "min_8bit_size": 64}
+CODES = list(codes.CODES)  # "8bit", "4bit", "float8".
+SUFFIXES = tuple(f"_{name}" for name in CODES) + ("_scale",)
 
 
 def _model(policy="float32", seed=1):
@@ -49,10 +55,10 @@ def _model(policy="float32", seed=1):
         )
 
 
-def _eight_bit(inner=None, **kwargs):
+def _eight_bit(inner=None, slot_dtype="8bit", **kwargs):
     inner = inner or keras.optimizers.Adam(1e-2)
     return LowPrecisionOptimizer(
-        inner, slot_dtype="8bit", seed=2, **{**SMALL, **kwargs}
+        inner, slot_dtype=slot_dtype, seed=2, **{**SMALL, **kwargs}
     )
 
 
@@ -70,28 +76,33 @@ def _slot_variables(optimizer):
     return {
         v.path.split("/")[-1]: v
         for v in optimizer.inner_optimizer.variables
-        if v.path.endswith(("_8bit", "_scale"))
+        if v.path.endswith(SUFFIXES)
     }
 
 
-def test_large_slots_are_codes_and_scales_small_ones_stay():
+@pytest.mark.parametrize("slot_dtype", CODES)
+def test_large_slots_are_codes_and_scales_small_ones_stay(slot_dtype):
     model = _model()
-    optimizer = _eight_bit()
+    optimizer = _eight_bit(slot_dtype=slot_dtype)
     optimizer.build(model.trainable_variables)
     assert optimizer.quantized
     slots = _slot_variables(optimizer)
     kernel = model.layers[0].kernel.path.replace("/", "_")
+    size = 64 if slot_dtype == "4bit" else 128  # Two 4-bit codes a byte.
     for name in ("momentum", "velocity"):
-        codes = slots[f"{kernel}_{name}_8bit"]
+        data = slots[f"{kernel}_{name}_{slot_dtype}"]
         scales = slots[f"{kernel}_{name}_scale"]
-        assert (codes.dtype, tuple(codes.shape)) == ("uint8", (128,))
+        assert (data.dtype, tuple(data.shape)) == ("uint8", (size,))
         assert (scales.dtype, tuple(scales.shape)) == ("float32", (4,))
+        # A new slot reads as zeros.
+        zero = q.zero_byte(codes.CODES[slot_dtype], name == "momentum")
+        assert np.all(numpy_of(data) == zero)
     # Only the first kernel has 64 elements or more.
     assert len(slots) == 4
     floats = [
         v
         for v in optimizer.inner_optimizer.variables
-        if "momentum" in v.path and not v.path.endswith(("_8bit", "_scale"))
+        if "momentum" in v.path and not v.path.endswith(SUFFIXES)
     ]
     assert {tuple(v.shape) for v in floats} == {(16,), (16, 2), (2,)}
     assert {v.dtype for v in floats} == {"float32"}
@@ -109,29 +120,33 @@ def test_excluded_and_default_sized_variables_keep_their_slots():
     assert default.get_config()["min_8bit_size"] == q.MIN_8BIT_SIZE
 
 
-def _dequantized(optimizer, name):
+def _dequantized(optimizer, name, slot_dtype="8bit"):
+    """A slot's value, read in NumPy from its codes and scales."""
+    code = codes.CODES[slot_dtype]
     slots = _slot_variables(optimizer)
-    codes = numpy_of(slots[f"{name}_8bit"])
+    data = numpy_of(slots[f"{name}_{slot_dtype}"]).astype(np.int64)
+    if code.bits == 4:
+        data = np.stack([data // 16, data % 16], axis=1).reshape(-1)
     scales = numpy_of(slots[f"{name}_scale"])
-    signed = q.is_signed(name.rsplit("_", 1)[-1])
-    table = q.dynamic_code(signed)
+    table = code.table(q.is_signed(name.rsplit("_", 1)[-1]))
     block = SMALL["block_size"]
-    value = (table[codes].reshape(-1, block) * scales[:, None]).reshape(-1)
+    value = (table[data].reshape(-1, block) * scales[:, None]).reshape(-1)
     return value[:128].reshape(8, 16)
 
 
+@pytest.mark.parametrize("slot_dtype", CODES)
 @pytest.mark.parametrize("mode", MODES)
-def test_the_update_is_adams_on_the_dequantized_slots(mode):
+def test_the_update_is_adams_on_the_dequantized_slots(mode, slot_dtype):
     model = _model()
     kernel = model.layers[0].kernel
-    optimizer = _eight_bit()
+    optimizer = _eight_bit(slot_dtype=slot_dtype)
     optimizer.build(model.trainable_variables)
     step = stepper(optimizer, model.trainable_variables, mode)
     step(_gradients(model, 0))
     base = kernel.path.replace("/", "_")
-    m = _dequantized(optimizer, f"{base}_momentum")
+    m = _dequantized(optimizer, f"{base}_momentum", slot_dtype)
     # The velocity is kept as its root.
-    v = np.square(_dequantized(optimizer, f"{base}_velocity"))
+    v = np.square(_dequantized(optimizer, f"{base}_velocity", slot_dtype))
     w = numpy_of(kernel).copy()
     g = numpy_of(_gradients(model, 1)[0])
     step(_gradients(model, 1))
@@ -140,10 +155,14 @@ def test_the_update_is_adams_on_the_dequantized_slots(mode):
     v2 = v + (g * g - v) * np.float32(0.001)
     alpha = np.float32(1e-2) * np.sqrt(1 - 0.999**2) / (1 - 0.9**2)
     want = w - alpha * m2 / (np.sqrt(v2) + 1e-7)
-    np.testing.assert_allclose(numpy_of(kernel), want, rtol=2e-6, atol=1e-7)
-    # And the slots hold the quantized m2 within the code's precision.
-    got = _dequantized(optimizer, f"{base}_momentum")
-    np.testing.assert_allclose(got, m2, rtol=0.5, atol=0.01 * np.abs(m2).max())
+    # Within float32's roundings of an update of about 0.05 (the order
+    # of Keras's operations is not NumPy's).
+    np.testing.assert_allclose(numpy_of(kernel), want, rtol=2e-6, atol=2e-7)
+    # And the slots hold the quantized m2 within the code's precision
+    # (4 bits: 16 values, 2 decades a side).
+    got = _dequantized(optimizer, f"{base}_momentum", slot_dtype)
+    atol = (0.06 if slot_dtype == "4bit" else 0.01) * np.abs(m2).max()
+    np.testing.assert_allclose(got, m2, rtol=0.5, atol=atol)
 
 
 def test_every_mode_gives_the_same_result_within_rounding():
@@ -194,11 +213,20 @@ def test_adamw_lion_and_sgd_train_with_8bit_slots(make):
     assert codes and all(v.dtype == "uint8" for v in codes)
 
 
-@pytest.mark.parametrize("rounding", ["kahan", "stochastic", "nearest"])
-def test_bfloat16_weights_train_with_every_rounding(rounding):
+@pytest.mark.parametrize(
+    "slot_dtype, rounding",
+    [
+        ("8bit", "kahan"),
+        ("8bit", "stochastic"),
+        ("8bit", "nearest"),
+        ("4bit", "stochastic"),
+        ("float8", "kahan"),
+    ],
+)
+def test_bfloat16_weights_train_with_every_rounding(slot_dtype, rounding):
     x, y = digits_like()
     model = _model("bfloat16")
-    optimizer = _eight_bit(rounding=rounding)
+    optimizer = _eight_bit(rounding=rounding, slot_dtype=slot_dtype)
     model.compile(optimizer=optimizer, loss=logits_loss())
     history = model.fit(x, y, batch_size=16, epochs=4, verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
@@ -206,9 +234,14 @@ def test_bfloat16_weights_train_with_every_rounding(rounding):
     assert optimizer.quantized
 
 
-def test_inside_a_loss_scale_optimizer_a_skip_leaves_codes_and_scales():
+@pytest.mark.parametrize("slot_dtype", CODES)
+def test_inside_a_loss_scale_optimizer_a_skip_leaves_codes_and_scales(
+    slot_dtype,
+):
     model = _model("float16")
-    optimizer = kmp.LossScaleOptimizer(_eight_bit(), initial_scale=2.0**8)
+    optimizer = kmp.LossScaleOptimizer(
+        _eight_bit(slot_dtype=slot_dtype), initial_scale=2.0**8
+    )
     x, y = digits_like()
     model.compile(optimizer=optimizer, loss=logits_loss())
     history = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
@@ -239,12 +272,13 @@ def test_inside_a_loss_scale_optimizer_a_skip_leaves_codes_and_scales():
     ]
 
 
-def test_a_keras_file_resumes_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("slot_dtype", CODES)
+def test_a_keras_file_resumes_bit_for_bit(tmp_path, slot_dtype):
     x, y = digits_like()
 
     def fresh():
         model = _model("bfloat16")
-        optimizer = _eight_bit(rounding="stochastic")
+        optimizer = _eight_bit(rounding="stochastic", slot_dtype=slot_dtype)
         model.compile(optimizer=optimizer, loss=logits_loss())
         return model
 
@@ -266,10 +300,11 @@ def test_a_keras_file_resumes_bit_for_bit(tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
-def test_the_config_round_trips():
-    optimizer = _eight_bit(exclude_from_8bit=["bias"])
+@pytest.mark.parametrize("slot_dtype", CODES)
+def test_the_config_round_trips(slot_dtype):
+    optimizer = _eight_bit(exclude_from_8bit=["bias"], slot_dtype=slot_dtype)
     config = optimizer.get_config()
-    assert config["slot_dtype"] == "8bit"
+    assert config["slot_dtype"] == slot_dtype
     assert (config["block_size"], config["min_8bit_size"]) == (32, 64)
     assert config["exclude_from_8bit"] == ["bias"]
     clone = LowPrecisionOptimizer.from_config(config)
@@ -279,25 +314,27 @@ def test_the_config_round_trips():
 
 
 @pytest.mark.tensorflow
-def test_every_replica_keeps_the_same_codes(two_replicas):
+@pytest.mark.parametrize("slot_dtype", CODES)
+def test_every_replica_keeps_the_same_codes(two_replicas, slot_dtype):
     tf = backends.tensorflow()
     x, y = digits_like()
     with two_replicas.scope():
         model = _model()
-        optimizer = _eight_bit()
+        optimizer = _eight_bit(slot_dtype=slot_dtype)
         model.compile(optimizer=optimizer, loss=logits_loss())
     model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
     assert optimizer.quantized and optimizer.iterations.numpy() == 3
-    codes = [v for v in optimizer.variables if v.path.endswith("_8bit")]
-    assert codes
+    data = [v for v in optimizer.variables if v.path.endswith(slot_dtype)]
+    assert data
     for variable in optimizer.variables:
         copies = [c.numpy() for c in variable.value.values]
         np.testing.assert_array_equal(copies[0], copies[1])
-    assert isinstance(codes[0].value, tf.distribute.DistributedValues)
+    assert isinstance(data[0].value, tf.distribute.DistributedValues)
 
 
 @pytest.mark.jax
-def test_every_device_keeps_the_same_codes_under_data_parallel():
+@pytest.mark.parametrize("slot_dtype", CODES)
+def test_every_device_keeps_the_same_codes_under_data_parallel(slot_dtype):
     import jax
 
     devices = jax.devices("cpu")
@@ -307,7 +344,7 @@ def test_every_device_keeps_the_same_codes_under_data_parallel():
     x, y = digits_like()
     with distribution.scope():
         model = _model()
-        optimizer = _eight_bit()
+        optimizer = _eight_bit(slot_dtype=slot_dtype)
         model.compile(optimizer=optimizer, loss=logits_loss())
         model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
     assert optimizer.quantized and int(optimizer.iterations) == 3
@@ -327,25 +364,33 @@ def test_every_device_keeps_the_same_codes_under_data_parallel():
         ({"exclude_from_8bit": "bias"}, TypeError, "list of strings"),
         ({"exclude_from_8bit": [3]}, TypeError, "list of strings"),
         ({"exclude_from_8bit": ["("]}, ValueError, "not a regular"),
+        (
+            {"block_size": 63, "slot_dtype": "4bit"},
+            ValueError,
+            r"'block_size' must be None or a multiple of 2 for "
+            r"slot_dtype='4bit' \(2 codes to a byte\). Received: "
+            "block_size=63",
+        ),
+        ({"block_size": 0, "slot_dtype": "float8"}, ValueError, "'block_"),
     ],
 )
 def test_bad_8bit_settings_are_refused(kwargs, error, fragment):
+    kwargs = {"slot_dtype": "8bit", **kwargs}
     with pytest.raises(error, match=fragment):
-        LowPrecisionOptimizer(
-            keras.optimizers.Adam(), slot_dtype="8bit", **kwargs
-        )
+        LowPrecisionOptimizer(keras.optimizers.Adam(), **kwargs)
 
 
 def test_8bit_settings_without_8bit_slots_and_unknown_optimizers_are_refused():
-    with pytest.raises(ValueError, match="None unless slot_dtype='8bit'"):
+    quantized = "None unless slot_dtype is '8bit' or '4bit' or 'float8'"
+    with pytest.raises(ValueError, match=quantized):
         LowPrecisionOptimizer(keras.optimizers.Adam(), block_size=64)
-    with pytest.raises(ValueError, match="None unless slot_dtype='8bit'"):
+    with pytest.raises(ValueError, match=quantized):
         LowPrecisionOptimizer(
             keras.optimizers.Adam(), slot_dtype="bfloat16", min_8bit_size=1
         )
     rmsprop = keras.optimizers.RMSprop()
     with pytest.raises(TypeError, match="Adam, AdamW, Lion or SGD"):
-        LowPrecisionOptimizer(rmsprop, slot_dtype="8bit")
+        LowPrecisionOptimizer(rmsprop, slot_dtype="4bit")
     assert not rmsprop.built
     with pytest.raises(ValueError, match="'slot_dtype' must be one of"):
         LowPrecisionOptimizer(keras.optimizers.Adam(), slot_dtype="int8")

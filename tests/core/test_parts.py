@@ -48,11 +48,13 @@ def _gradients(model, seed):
     ]
 
 
-def _train(monkeypatch, part, policy, rounding, make, mode, steps=3):
+def _train(
+    monkeypatch, part, policy, rounding, make, mode, steps=3, slot_dtype="8bit"
+):
     monkeypatch.setattr(parts, "PART_ELEMENTS", part)
     model = _model(policy)
     optimizer = kmp.LowPrecisionOptimizer(
-        make(), rounding, slot_dtype="8bit", seed=5, **SMALL
+        make(), rounding, slot_dtype=slot_dtype, seed=5, **SMALL
     )
     optimizer.build(model.trainable_variables)
     step = stepper(optimizer, model.trainable_variables, mode)
@@ -96,6 +98,17 @@ def test_parts_give_the_whole_update_bit_for_bit(monkeypatch, name, mode):
     _same(whole, split)
 
 
+@pytest.mark.parametrize("slot_dtype", ["4bit", "float8"])
+@pytest.mark.parametrize("mode", MODES)
+def test_parts_of_4bit_and_float8_slots_give_the_whole_update(
+    monkeypatch, mode, slot_dtype
+):
+    args = ("float32", "nearest", OPTIMIZERS["adam"], mode)
+    whole, _ = _train(monkeypatch, 10**9, *args, slot_dtype=slot_dtype)
+    split, _ = _train(monkeypatch, PART, *args, slot_dtype=slot_dtype)
+    _same(whole, split)
+
+
 def _same(whole, split, bfloat16=False):
     """torch: bit for bit. JAX, TensorFlow: within a float32 rounding (XLA
     may fuse a multiply and an add otherwise for a part's shape): a code
@@ -106,6 +119,8 @@ def _same(whole, split, bfloat16=False):
         if backends.TORCH:
             np.testing.assert_array_equal(got, want, err_msg=name)
         elif got.dtype == np.uint8:
+            if name.endswith("_4bit"):  # Two codes a byte.
+                got, want = (np.stack([a // 16, a % 16]) for a in (got, want))
             difference = got.astype(int) - want.astype(int)
             assert np.abs(difference).max() <= 1, name
             assert np.mean(difference == 0) > 0.98, name

@@ -66,7 +66,7 @@ def results(tmp_path_factory):
     return loaded
 
 
-def _one_process(recipe, halves, inject_fault, eight_bit=False):
+def _one_process(recipe, halves, inject_fault, eight_bit=None):
     """The reference: one process, on each whole batch, or (`halves`) on
     its two halves with their gradients averaged as DDP averages them."""
     kmp.set_global_policy("mixed_float16")
@@ -140,8 +140,8 @@ def test_training_equals_one_process_on_the_whole_batch(results, scenario):
     distributed = results[0]["states"][scenario]
     eight_bit = worker.is_eight_bit(scenario)
     if eight_bit:  # The codes are there.
-        names = [v.path for v in _eight_bit_variables()]
-        assert any(name.endswith("_8bit") for name in names)
+        names = [v.path for v in _eight_bit_variables(eight_bit)]
+        assert any(name.endswith(f"_{eight_bit}") for name in names)
     # The same arithmetic on one process: bit for bit.
     halves = _one_process(recipe, True, inject, eight_bit)
     for step, (a, b) in enumerate(zip(distributed, halves)):
@@ -149,7 +149,7 @@ def test_training_equals_one_process_on_the_whole_batch(results, scenario):
     # The whole batch at once: the same steps skipped and scales, exactly;
     # weights and slots as close as float16 rounding allows.
     whole = _one_process(recipe, False, inject, eight_bit)
-    # With 8-bit moments a float16 rounding apart can put a moment on the
+    # With quantized moments a float16 rounding apart can put a moment on the
     # next code: up to a code's step of the update (lr 0.01 times a few
     # percent) in a weight, and a few codes in a slot.
     bounds = {"weights_atol": 1e-3, "slots_rtol": 2**-5} if eight_bit else {}
@@ -157,8 +157,8 @@ def test_training_equals_one_process_on_the_whole_batch(results, scenario):
         dd.assert_close(a, b, f"{scenario}, after step {step}", **bounds)
 
 
-def _eight_bit_variables():
-    optimizer = dd.optimizer(eight_bit=True)
+def _eight_bit_variables(slot_dtype):
+    optimizer = dd.optimizer(eight_bit=slot_dtype)
     optimizer.build(dd.model().trainable_variables)
     return optimizer.inner_optimizer.variables
 

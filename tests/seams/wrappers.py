@@ -85,13 +85,14 @@ def lpo(rounding, inner=adam, seed=1, slot_dtype=None):
     )
 
 
-def lpo_8bit(rounding, seed=1):
-    """8-bit moments on every variable of the cells' small models (blocks
-    of 8 elements: several blocks and padding)."""
+def lpo_8bit(rounding, seed=1, slot_dtype="8bit"):
+    """Quantized moments (8-bit by default; `"4bit"`, `"float8"`) on every
+    variable of the cells' small models (blocks of 8 elements: several
+    blocks and padding)."""
     return lambda: kmp.LowPrecisionOptimizer(
         adam(),
         rounding,
-        slot_dtype="8bit",
+        slot_dtype=slot_dtype,
         seed=seed,
         block_size=8,
         min_8bit_size=1,
@@ -230,6 +231,14 @@ WRAPPERS = [
         "lso_lpo_8bit",
         "float16",
         lso(lpo_8bit("kahan"), **KNOBS["growth"]),
+        skips=True,
+    ),
+    # 4-bit and float8 state, the same two ways.
+    Wrapper("lpo_4bit", "bfloat16", lpo_8bit("stochastic", slot_dtype="4bit")),
+    Wrapper(
+        "lso_lpo_float8",
+        "float16",
+        lso(lpo_8bit("kahan", slot_dtype="float8"), **KNOBS["growth"]),
         skips=True,
     ),
     Wrapper(

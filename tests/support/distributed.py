@@ -64,16 +64,21 @@ def model():
     return result
 
 
-def optimizer(eight_bit=False, **kwargs):
+def optimizer(eight_bit=None, **kwargs):
     """A dynamic scale from 8 that grows after 2 finite steps in a row
-    (unless `kwargs` say otherwise), around Adam, or with `eight_bit`
-    around `kmp.LowPrecisionOptimizer(Adam, slot_dtype="8bit")` whose
-    first kernel (32 elements) has 8-bit moments in 2 blocks."""
+    (unless `kwargs` say otherwise), around Adam, or with `eight_bit` (a
+    quantized slot dtype, `"8bit"`, `"4bit"` or `"float8"`) around
+    `kmp.LowPrecisionOptimizer(Adam, slot_dtype=eight_bit)` whose first
+    kernel (32 elements) has quantized moments in 2 blocks."""
     settings = {"initial_scale": 8, "dynamic_growth_steps": 2, **kwargs}
     inner = keras.optimizers.Adam(0.01)
     if eight_bit:
         inner = kmp.LowPrecisionOptimizer(
-            inner, slot_dtype="8bit", block_size=16, min_8bit_size=32, seed=0
+            inner,
+            slot_dtype=eight_bit,
+            block_size=16,
+            min_8bit_size=32,
+            seed=0,
         )
     return kmp.LossScaleOptimizer(inner, **settings)
 

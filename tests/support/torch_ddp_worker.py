@@ -35,8 +35,9 @@ from tests.support import distributed as dd  # noqa: E402
 # first step), or an all-reduce by hand after which process 1 writes an inf
 # into its gradient, with the check agreed across the processes (as a
 # sharded optimizer needs) by an optimizer that records which gradients
-# were not finite. `ddp_8bit`: DDP with 8-bit optimizer state.
-SCENARIOS = ("ddp", "ddp_keras_recipe", "all_reduce", "ddp_8bit")
+# were not finite. `ddp_8bit`, `ddp_4bit`: DDP with 8-bit or 4-bit
+# optimizer state.
+SCENARIOS = ("ddp", "ddp_keras_recipe", "all_reduce", "ddp_8bit", "ddp_4bit")
 RECORDS_NONFINITE = "all_reduce"
 AGREED = "all_reduce"
 
@@ -49,7 +50,11 @@ def bad_steps(scenario):
 
 
 def is_eight_bit(scenario):
-    return scenario.endswith("8bit")
+    """The scenario's quantized slot dtype, or None."""
+    for slot_dtype in ("8bit", "4bit"):
+        if scenario.endswith(slot_dtype):
+            return slot_dtype
+    return None
 
 
 def recipe_of(scenario):

@@ -264,3 +264,19 @@ def test_bytes_per_parameter_of_weights_and_optimizer_state():
     # 2 (weight) + 1 + 1 (codes) + 8 / 256 (two scales per block), the
     # bias's bfloat16 moments, and scalars (seed, iterations, rate).
     assert 4.0 < per_parameter < 4.1, line
+    # 4-bit moments: 2 + 0.5 + 0.5 + 8 / 128 (two scales per block of
+    # 128), with the bias's moments and the scalars as above.
+    four_bit = compiled(
+        "bfloat16",
+        kmp.LowPrecisionOptimizer(
+            keras.optimizers.Adam(), "stochastic", slot_dtype="4bit"
+        ),
+    )
+    four_bit.optimizer.build(four_bit.trainable_variables)
+    line = [
+        line
+        for line in summary(four_bit).splitlines()
+        if "weights + state" in line
+    ][0]
+    per_parameter = float(line.split("weights + state ")[1].split()[0])
+    assert 3.06 < per_parameter < 3.15, line

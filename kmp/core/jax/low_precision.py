@@ -1,5 +1,5 @@
 """How `LowPrecisionOptimizer` applies a step on JAX: the inner optimizer's
-own step, with its `update_step` lent; large variables with 8-bit slots in
+own step, with its `update_step` lent; large variables with quantized slots in
 parts, in a loop (`kmp.core.parts`)."""
 
 from kmp.core.step import low_precision as shared

@@ -11,8 +11,8 @@ import keras
 from keras import ops
 
 from kmp.core import borrow
+from kmp.core import codes
 from kmp.core import parts
-from kmp.core import quantization
 from kmp.core import rounding
 
 
@@ -62,7 +62,7 @@ def part_view(optimizer, variable, model_variable, compensation, dtype, part):
 
 
 def slot_part_view(slot, part):
-    """The float32 stand-in for `part` of an 8-bit slot."""
+    """The float32 stand-in for `part` of a quantized slot."""
     return rounding.DequantizedPartView(slot, part)
 
 
@@ -136,10 +136,10 @@ def update_in_parts(
         optimizer.assign(target, ops.reshape(value, tuple(target.shape)))
 
 
-# The float32 stand-in for an 8-bit slot, and how a value finds its code
+# The float32 stand-in for a quantized slot, and how a value finds its code
 # (elementwise: XLA fuses it, on JAX and TensorFlow).
 slot_view = rounding.DequantizedView
-nearest_code = quantization.nearest_code
+nearest_code = codes.nearest
 
 __all__ = [
     "clip_gradients",

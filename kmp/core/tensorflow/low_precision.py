@@ -16,7 +16,7 @@ import functools
 
 from kmp.core import backend
 from kmp.core import borrow
-from kmp.core import quantization
+from kmp.core import codes
 from kmp.core import rounding
 from kmp.core.step import low_precision as shared
 from kmp.core.tensorflow import apply as tf_apply
@@ -75,17 +75,17 @@ def update_variable(optimizer, gradient, learning_rate, variable, index):
     )
 
 
-# The float32 stand-in for an 8-bit slot, and how a value finds its code
+# The float32 stand-in for a quantized slot, and how a value finds its code
 # (elementwise: XLA fuses it; TensorFlow's graph runs it as it is).
 slot_view = tf_rounding.DequantizedView
-nearest_code = quantization.nearest_code
-# Large variables with 8-bit slots in parts (`kmp.core.parts`), inside
+nearest_code = codes.nearest
+# Large variables with quantized slots in parts (`kmp.core.parts`), inside
 # their compiled update: a `tf.while_loop` carrying the flat arrays.
 update_in_parts = shared.update_in_parts
 
 
 def slot_part_view(slot, part):
-    """The float32 stand-in for `part` of an 8-bit slot."""
+    """The float32 stand-in for `part` of a quantized slot."""
     return tf_rounding.DequantizedPartView(slot, part)
 
 

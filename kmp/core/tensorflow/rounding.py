@@ -132,7 +132,7 @@ class Float32View:
 
 
 class DequantizedView(Float32View):
-    """An 8-bit slot's float32 stand-in for one call of an `update_step`
+    """A quantized slot's float32 stand-in for one call of an `update_step`
     (`kmp.core.quantization.QuantizedSlot`): reads as the slot's
     dequantized value, computed once; assignments replace that value."""
 
@@ -181,7 +181,7 @@ class PartView(Float32View):
 
 
 class DequantizedPartView(DequantizedView):
-    """A part of an 8-bit slot (`kmp.core.parts.Part`) as a flat float32
+    """A part of a quantized slot (`kmp.core.parts.Part`) as a flat float32
     stand-in."""
 
     def __init__(self, slot, part):

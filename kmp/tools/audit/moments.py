@@ -20,6 +20,7 @@ import math
 import numpy as np
 from keras import ops
 
+from kmp.core import codes
 from kmp.core import quantization
 
 BETA_1, BETA_2, EPSILON = 0.9, 0.999, 1e-7
@@ -69,9 +70,10 @@ def _round_trip(value, name, block_size):
         ops.convert_to_tensor(value.astype(np.float32)), name
     )
     signed = quantization.is_signed(name)
-    codes, scales = quantization.quantize(encoded, signed, block_size)
+    code = codes.CODES["8bit"]
+    data, scales = quantization.quantize(encoded, code, signed, block_size)
     back = quantization.dequantize(
-        codes, scales, signed, value.shape, block_size
+        data, scales, code, signed, value.shape, block_size
     )
     return np.asarray(
         ops.convert_to_numpy(quantization.decode(back, name)), np.float64

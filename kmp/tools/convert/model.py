@@ -87,8 +87,9 @@ def convert(
             `kmp.LowPrecisionOptimizer`), or None for Keras's own update
             (which stalls once updates fall below half a bfloat16 ulp).
         slot_dtype: Only for `"bfloat16"`: the dtype of the optimizer's
-            slots (`"bfloat16"` halves them; `"8bit"`: 8-bit moments for
-            Adam, AdamW, Lion and SGD, see `kmp.LowPrecisionOptimizer`),
+            slots (`"bfloat16"` halves them; `"8bit"`, `"4bit"` or
+            `"float8"`: quantized moments for Adam, AdamW, Lion and SGD,
+            see `kmp.LowPrecisionOptimizer`),
             default the weights'.
         seed: Only for `"bfloat16"`: the stochastic-rounding seed, an
             integer in [0, 2**63 - 1] (NumPy's too); None draws one.

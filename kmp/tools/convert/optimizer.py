@@ -6,7 +6,8 @@ half a unit in the last place vanish and training stalls. `convert` to
 `"bfloat16"` therefore compiles the copy of a compiled model with its
 optimizer wrapped in `kmp.LowPrecisionOptimizer` (Kahan compensation by
 default; `rounding="stochastic"`; `slot_dtype="bfloat16"` halves the
-slots too, `"8bit"` quarters those of large variables). `rounding=None`
+slots too, `"8bit"` and `"float8"` quarter those of large variables,
+`"4bit"` eighths them). `rounding=None`
 keeps Keras's plain update. The copy's compile config names the wrapper,
 so `model.save` and `keras.models.load_model` bring it back with all its
 state.
@@ -21,7 +22,7 @@ from kmp.core import low_precision
 DEFAULT = object()  # `rounding` not passed
 ROUNDINGS = ("kahan", "stochastic", "nearest")
 # As LowPrecisionOptimizer's.
-SLOT_DTYPES = (*low_precision.SLOT_DTYPES, "8bit")
+SLOT_DTYPES = (*low_precision.SLOT_DTYPES, *low_precision.QUANTIZED)
 
 
 def check(policy, rounding, slot_dtype, seed) -> bool:

@@ -1,13 +1,15 @@
-"""8-bit slots in `kmp.LowPrecisionOptimizer` (`slot_dtype="8bit"`).
+"""Quantized slots in `kmp.LowPrecisionOptimizer` (`slot_dtype="8bit"`,
+`"4bit"` or `"float8"`: `kmp.core.codes`).
 
 Which slots: the moments of Adam and AdamW, Lion's and SGD's momentum, for
 variables of `min_8bit_size` elements or more whose path no pattern of
-`exclude_from_8bit` matches; the others keep their dtype (as with
+`exclude_from_8bit` matches (bitsandbytes' names; they apply to every
+quantized `slot_dtype`); the others keep their dtype (as with
 `slot_dtype=None`). Small variables (biases, normalization scales) hold
 little memory and the most sensitive updates, as bitsandbytes found.
 
 How: while the inner optimizer builds, its `add_variable_from_reference`
-is lent a form that makes, for such a slot, a variable of one-byte codes
+is lent a form that makes, for such a slot, a variable of codes in bytes
 (what the inner optimizer's slot list holds) and one of float32 block
 scales beside it (`kmp.core.quantization`). In a step, each variable's
 update sees, in place of those codes, a float32 view of the slot
@@ -24,9 +26,11 @@ import re
 import keras
 
 from kmp.core import checks
+from kmp.core import codes
 from kmp.core import quantization
 
-SLOT_DTYPE = "8bit"
+# The quantized slot dtypes, by name (`kmp.core.codes.CODES`).
+SLOT_DTYPES = tuple(codes.CODES)
 # The optimizers whose update reads its slots only through the slot lists
 # (and whose slots kmp knows the sign of), by their `update_step`.
 SUPPORTED = {
@@ -46,33 +50,32 @@ def _refuse(error, argument, allowed, value):
 
 
 def check_arguments(inner, slot_dtype, block_size, min_8bit_size, exclude):
-    """Validates the 8-bit arguments; returns `Plan` (None without 8 bits).
+    """Validates the quantization arguments; returns `Plan` (None without
+    quantized slots).
 
     Raises:
         TypeError: an argument has the wrong type.
-        ValueError: a value is out of range, an 8-bit argument is given
-            without `slot_dtype="8bit"`, or the inner optimizer has no
-            8-bit slots.
+        ValueError: a value is out of range (a block size that does not
+            fill whole bytes), or a quantization argument is given without
+            a quantized `slot_dtype`.
     """
     given = {
         "block_size": block_size,
         "min_8bit_size": min_8bit_size,
         "exclude_from_8bit": exclude,
     }
-    if slot_dtype != SLOT_DTYPE:
+    quantized = " or ".join(repr(name) for name in SLOT_DTYPES)
+    if slot_dtype not in SLOT_DTYPES:
         for argument, value in given.items():
             if value is not None:
-                _refuse(
-                    ValueError,
-                    argument,
-                    "None unless slot_dtype='8bit'",
-                    value,
-                )
+                allowed = f"None unless slot_dtype is {quantized}"
+                _refuse(ValueError, argument, allowed, value)
         return None
+    code = codes.CODES[slot_dtype]
     if type(inner).update_step not in SUPPORTED:
         allowed = (
-            "an optimizer with 8-bit slots for slot_dtype='8bit': "
-            "keras.optimizers.Adam, AdamW, Lion or SGD"
+            f"an optimizer with quantized slots for slot_dtype="
+            f"{slot_dtype!r}: keras.optimizers.Adam, AdamW, Lion or SGD"
         )
         _refuse(TypeError, "inner_optimizer", allowed, inner)
     for argument, value, low in (
@@ -86,6 +89,12 @@ def check_arguments(inner, slot_dtype, block_size, min_8bit_size, exclude):
             _refuse(TypeError, argument, allowed, value)
         if value < low:
             _refuse(ValueError, argument, allowed, value)
+    if block_size is not None and block_size % code.per_byte:
+        allowed = (
+            f"None or a multiple of {code.per_byte} for slot_dtype="
+            f"{slot_dtype!r} ({code.per_byte} codes to a byte)"
+        )
+        _refuse(ValueError, "block_size", allowed, block_size)
     patterns = () if exclude is None else exclude
     allowed = "None or a list of strings (regular expressions of paths)"
     if isinstance(patterns, str) or not isinstance(patterns, (list, tuple)):
@@ -101,7 +110,8 @@ def check_arguments(inner, slot_dtype, block_size, min_8bit_size, exclude):
                 f"expression ({error})."
             ) from None
     return Plan(
-        quantization.BLOCK_SIZE if block_size is None else int(block_size),
+        code,
+        code.block_size if block_size is None else int(block_size),
         quantization.MIN_8BIT_SIZE
         if min_8bit_size is None
         else int(min_8bit_size),
@@ -110,9 +120,10 @@ def check_arguments(inner, slot_dtype, block_size, min_8bit_size, exclude):
 
 
 class Plan:
-    """Which slots are 8-bit, and their block size."""
+    """Which slots are quantized, on which code, and their block size."""
 
-    def __init__(self, block_size, min_size, exclude):
+    def __init__(self, code, block_size, min_size, exclude):
+        self.code = code
         self.block_size = block_size
         self.min_size = min_size
         self.exclude = exclude
@@ -130,8 +141,8 @@ class Plan:
 
 
 def config(plan) -> dict:
-    """The 8-bit arguments of `LowPrecisionOptimizer.get_config` ({}
-    without 8 bits)."""
+    """The quantization arguments of `LowPrecisionOptimizer.get_config`
+    ({} without quantized slots)."""
     if plan is None:
         return {}
     return {
@@ -143,7 +154,7 @@ def config(plan) -> dict:
 
 def lent_builder(plan, inner, slots):
     """The `add_variable_from_reference` lent to `inner` while it builds:
-    an 8-bit slot where `plan` says so (appended to `slots`), else the
+    a quantized slot where `plan` says so (appended to `slots`), else the
     inner optimizer's own."""
     original = inner.add_variable_from_reference
 
@@ -158,13 +169,14 @@ def lent_builder(plan, inner, slots):
         count = quantization.blocks(math.prod(shape), plan.block_size)
         base = f"{reference_variable.path.replace('/', '_')}_{name}"
         signed = quantization.is_signed(name)
-        codes = inner.add_variable(
-            shape=(count * plan.block_size,),
+        code = plan.code
+        data = inner.add_variable(
+            shape=(quantization.byte_count(count * plan.block_size, code),),
             initializer=keras.initializers.Constant(
-                quantization.zero_code(signed)
+                quantization.zero_byte(code, signed)
             ),
             dtype=quantization.CODE_DTYPE,
-            name=f"{base}_8bit",
+            name=f"{base}_{code.name}",
         )
         scales = inner.add_variable(
             shape=(count,),
@@ -174,17 +186,17 @@ def lent_builder(plan, inner, slots):
         )
         slots.append(
             quantization.QuantizedSlot(
-                codes, scales, name, shape, plan.block_size
+                data, scales, name, shape, plan.block_size, code
             )
         )
-        return codes
+        return data
 
     return add_variable_from_reference
 
 
 def locate(inner, slots):
-    """`{variable index: [(slot list, index, slot), ...]}`: where the
-    inner optimizer keeps each 8-bit slot's codes."""
+    """`{variable index: [(slot list, slot), ...]}`: where the inner
+    optimizer keeps each quantized slot's codes."""
     by_id = {id(slot.codes): slot for slot in slots}
     found = {}
     count = len(inner._trainable_variables)
@@ -205,14 +217,14 @@ def locate(inner, slots):
     if missing:
         raise RuntimeError(
             f"{type(inner).__name__} keeps {missing} of its slots outside "
-            "its slot lists; they cannot be 8-bit."
+            "its slot lists; they cannot be quantized."
         )
     return found
 
 
 @contextlib.contextmanager
 def views(located, index, view_class):
-    """Puts a float32 view (`view_class(slot)`) in place of each 8-bit
+    """Puts a float32 view (`view_class(slot)`) in place of each quantized
     slot of variable `index` in the inner optimizer's slot lists, for the
     block; yields `[(slot, view), ...]`."""
     entries = located.get(index, ())
@@ -232,7 +244,7 @@ def views(located, index, view_class):
 
 def write_back(optimizer, pairs, nearest=None) -> None:
     """Quantizes what the update wrote into each view's codes and scales
-    (`nearest`: the backend's form of `quantization.nearest_code`)."""
+    (`nearest`: the backend's form of `kmp.core.codes.nearest`)."""
     for slot, view in pairs:
         if view.written:
             codes, scales = slot.encoded(view.value, nearest)
