@@ -223,8 +223,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
 
     @property
     def quantized(self) -> bool:
-        """Whether any slot is quantized (`slot_dtype="8bit"`, `"4bit"`
-        or `"float8"`, once built)."""
+        """Whether any slot is 8-bit, 4-bit or float8 (once built)."""
         return bool(self._located)
 
     @property
