@@ -166,7 +166,7 @@ def log_code(signed: bool) -> np.ndarray:
 
     >>> [round(float(v), 4) for v in log_code(signed=True)[7:]]
     [0.0, 0.01, 0.0215, 0.0464, 0.1, 0.2154, 0.4642, 1.0]
-    >>> len(log_code(signed=False)), float(log_code(signed=False)[1])
+    >>> len(log_code(signed=False)), round(float(log_code(False)[1]), 6)
     (16, 0.0001)
     """
     count, decades = (7, 2) if signed else (15, 4)
