@@ -55,6 +55,7 @@ def round_trip(value, form, signed):
     """`value` (float32) written to `form` block-wise and read back."""
     from keras import ops
 
+    from kmp.core import codes
     from kmp.core import quantization
 
     block = 128 if form == "4-bit" else 256
@@ -77,7 +78,7 @@ def round_trip(value, form, signed):
         if form == "4-bit":
             table = _log_code(signed, 7 if signed else 15, 2 if signed else 4)
         else:
-            table = quantization.dynamic_code(signed)
+            table = codes.dynamic_code(signed)
         midpoints = ops.convert_to_tensor((table[1:] + table[:-1]) / 2)
         code = ops.searchsorted(midpoints, ops.reshape(normalized, (-1,)))
         back = ops.take(ops.convert_to_tensor(table), code)
