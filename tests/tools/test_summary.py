@@ -243,40 +243,34 @@ def test_bytes_per_parameter_of_weights_and_optimizer_state():
     assert "weights + state 12.00 bytes per trainable parameter" in summary(
         adam
     )
-    # bfloat16 weights, 8-bit moments (the 64x128 kernel; the bias keeps
-    # bfloat16 moments), stochastic rounding: about a third.
-    eight_bit = compiled(
-        "bfloat16",
-        kmp.LowPrecisionOptimizer(
-            keras.optimizers.Adam(),
-            "stochastic",
-            slot_dtype="8bit",
-            min_8bit_size=4096,
-        ),
-    )
-    eight_bit.optimizer.build(eight_bit.trainable_variables)
-    line = [
-        line
-        for line in summary(eight_bit).splitlines()
-        if "weights + state" in line
-    ][0]
-    per_parameter = float(line.split("weights + state ")[1].split()[0])
-    # 2 (weight) + 1 + 1 (codes) + 8 / 256 (two scales per block), the
-    # bias's bfloat16 moments, and scalars (seed, iterations, rate).
+
+    def bytes_per_parameter(slot_dtype):
+        """The summary's weights + state per parameter, bfloat16 weights
+        with `slot_dtype` moments for the 64x128 kernel (the bias keeps
+        bfloat16 moments), stochastic rounding."""
+        model = compiled(
+            "bfloat16",
+            kmp.LowPrecisionOptimizer(
+                keras.optimizers.Adam(),
+                "stochastic",
+                slot_dtype=slot_dtype,
+                min_8bit_size=4096,
+            ),
+        )
+        model.optimizer.build(model.trainable_variables)
+        line = [
+            line
+            for line in summary(model).splitlines()
+            if "weights + state" in line
+        ][0]
+        return float(line.split("weights + state ")[1].split()[0]), line
+
+    # 8 bits: about a third. 2 (weight) + 1 + 1 (codes) + 8 / 256 (two
+    # scales per block), the bias's moments, and scalars (seed,
+    # iterations, rate).
+    per_parameter, line = bytes_per_parameter("8bit")
     assert 4.0 < per_parameter < 4.1, line
-    # 4-bit moments: 2 + 0.5 + 0.5 + 8 / 128 (two scales per block of
-    # 128), with the bias's moments and the scalars as above.
-    four_bit = compiled(
-        "bfloat16",
-        kmp.LowPrecisionOptimizer(
-            keras.optimizers.Adam(), "stochastic", slot_dtype="4bit"
-        ),
-    )
-    four_bit.optimizer.build(four_bit.trainable_variables)
-    line = [
-        line
-        for line in summary(four_bit).splitlines()
-        if "weights + state" in line
-    ][0]
-    per_parameter = float(line.split("weights + state ")[1].split()[0])
+    # 4 bits: 2 + 0.5 + 0.5 + 8 / 128 (two scales per block of 128), with
+    # the bias's moments and the scalars as above.
+    per_parameter, line = bytes_per_parameter("4bit")
     assert 3.06 < per_parameter < 3.15, line
