@@ -35,14 +35,10 @@ import tensorflow as tf  # noqa: E402
 from keras.src.optimizers import base_optimizer  # noqa: E402
 
 import kmp  # noqa: E402
-from kmp.core import optimizer as _kmp_optimizer  # noqa: E402
 from kmp.core import scaling  # noqa: E402
 from kmp.core.tensorflow import apply as tf_apply  # noqa: E402
+from kmp.core.tensorflow import step as tf_step  # noqa: E402
 from kmp.tools.bench import timing  # noqa: E402
-
-# The module whose `apply` kmp's optimizer calls for its TensorFlow step
-# (`kmp.core.tensorflow.step`), as the optimizer holds it.
-tf_steps = _kmp_optimizer.tf_steps
 
 VARIANTS = {
     "unscale": "divide the gradients by the scale, then apply",
@@ -64,7 +60,7 @@ class _Replaced(kmp.LossScaleOptimizer):
     """kmp's optimizer whose TensorFlow step is `self.step_on_tensorflow`.
 
     `LossScaleOptimizer.apply` checks the gradients and decides the recipe,
-    then calls `kmp.core.step.tensorflow.apply`; the variants replace that call
+    then calls `kmp.core.tensorflow.step.apply`; the variants replace that call
     while their step is traced.
     """
 
@@ -72,14 +68,14 @@ class _Replaced(kmp.LossScaleOptimizer):
         raise NotImplementedError
 
     def apply(self, grads, trainable_variables=None):
-        original = tf_steps.apply
-        tf_steps.apply = lambda optimizer, *args: optimizer.step_on_tensorflow(
+        original = tf_step.apply
+        tf_step.apply = lambda optimizer, *args: optimizer.step_on_tensorflow(
             *args
         )
         try:
             super().apply(grads, trainable_variables)
         finally:
-            tf_steps.apply = original
+            tf_step.apply = original
 
 
 class _Variant(_Replaced):
@@ -175,7 +171,7 @@ class _ApplyFirst(_Forced):
     limit = 2**62
 
 
-_ORIGINAL_STEP = tf_steps.apply
+_ORIGINAL_STEP = tf_step.apply
 
 
 def _optimizer(kind):

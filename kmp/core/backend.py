@@ -8,8 +8,6 @@ works in an environment without it.
 True
 """
 
-import importlib
-
 import keras
 
 SUPPORTED_BACKENDS = ("tensorflow", "jax", "torch")
@@ -61,7 +59,13 @@ def tensorflow():
             f"{name()!r}. Set KERAS_BACKEND=tensorflow before importing "
             "keras."
         )
-    return importlib.import_module("tensorflow")
+    # An import statement, not importlib.import_module: AutoGraph converts
+    # what a tf.function calls (this too, through kmp's steps and checks), and
+    # importlib's function leads it to `_gcd_import`, whose source it cannot
+    # read, and warns (in a custom loop's tf.function, for one).
+    import tensorflow as tf
+
+    return tf
 
 
 def version_tuple(text: str) -> tuple:

@@ -47,7 +47,7 @@ if backend.is_torch():
     }
 if backend.is_tensorflow():
     from kmp.core.tensorflow import apply as tf_apply
-    from kmp.core.tensorflow import step as tf_steps
+    from kmp.core.tensorflow import step as tf_step
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 _KerasOptimizer = keras.optimizers.Optimizer
@@ -435,7 +435,7 @@ class LossScaleOptimizer(
         self._recipes.applied()
         with _name_scope(self):
             if backend.is_tensorflow():
-                tf_steps.apply(
+                tf_step.apply(
                     self, grads, trainable_variables, scaled, aggregate
                 )
             elif backend.is_jax():

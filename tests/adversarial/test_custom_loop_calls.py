@@ -316,8 +316,8 @@ def test_gradients_keras_accepts_give_keras_results(mode):
     "tf.Variable (kmp then applies in a tf.cond) and whose gradients "
     "include a tensor captured from outside the function fails with "
     "TensorFlow's 'All custom_gradient outputs should be from the same "
-    "graph' (Keras's _all_reduce_sum_gradients inside tf_steps' cond "
-    "branch); Keras alone applies it",
+    "graph' (Keras's _all_reduce_sum_gradients inside the cond branch of "
+    "kmp.core.tensorflow.step); Keras alone applies it",
 )
 def test_tf_variable_and_captured_gradient_in_a_tf_function():
     def run(make):

@@ -592,6 +592,29 @@ def test_backend_is_used_before_keras_is_imported():
     assert f"ran on {this}" in completed.stdout
 
 
+@pytest.mark.tensorflow
+def test_no_autograph_warning_in_a_fresh_process():
+    # AutoGraph converts what a tf.function calls, and warns once a process
+    # about what it cannot convert (kmp's loss-scaled custom step once reached
+    # importlib's `_gcd_import`): a fresh process, TensorFlow's Python
+    # logging left on (TF_CPP_MIN_LOG_LEVEL hides only its C++ logs). The
+    # custom loop only: fit's train function is Keras's, which AutoGraph
+    # leaves as it is, and with it what it calls.
+    code = (
+        "import sys, kmp_cli\n"
+        "sys.exit(kmp_cli.main(['bench', '--backend', 'tensorflow', "
+        "'--policies', 'mixed_float16', '--loops', 'custom', '--no-native', "
+        "'--no-torch-amp', "
+        "'--steps', '100', '--warmup', '1', '--units', '4', "
+        "'--batch-size', '8', '--quiet']))\n"
+    )
+    completed = _fresh_python(code, os.environ)
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output[-3000:]
+    assert "| mixed_float16 | custom |" in completed.stdout
+    assert "AutoGraph could not transform" not in output, output[-3000:]
+
+
 def test_backend_other_than_keras_here_runs_in_a_new_process(monkeypatch):
     calls = []
     monkeypatch.setattr(

@@ -201,7 +201,8 @@ def test_apply_first_handles_variables_of_any_float_dtype(dtype):
 
 
 def test_which_updates_are_applied_before_the_check():
-    # What tf_steps passes: Keras's own optimizers and kmp.FusedAdam.
+    # What kmp.core.tensorflow.step passes: Keras's own optimizers and
+    # kmp.FusedAdam.
     restorable = tf_apply.restorable_types(extra=(kmp.FusedAdam,))
 
     def decide(inner, grads, variables):

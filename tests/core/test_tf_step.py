@@ -1,5 +1,5 @@
-"""kmp.core.tf_steps: loss scaling adds no retracing and no trip to Python to
-a training step.
+"""kmp.core.tensorflow.step: loss scaling adds no retracing and no trip to
+Python to a training step.
 
 The scale changes from step to step, so it must be a variable read inside the
 step's graph: were it a Python number or a constant captured at trace time,
