@@ -6,7 +6,9 @@ scales and compensation come out as updating it whole (on torch bit for
 bit, written in place; on JAX and TensorFlow, in a loop, within a float32
 rounding), for each optimizer with 8-bit slots and every rounding, in
 every mode, under `tf.distribute` and JAX's `DataParallel`; on JAX the
-compiled step's temporaries shrink to a part's.
+compiled step's temporaries shrink to a part's. Embeddings just over a part
+(whose gradients are sparse on TensorFlow) train in parts with every
+quantized slot dtype, in every mode and in `fit`, as updated whole.
 """
 
 import keras
@@ -321,3 +323,170 @@ def test_every_backend_and_mode_runs_the_parts(monkeypatch, mode):
     # the last part (5 * PART onwards, 80 elements), each traced.
     assert (5 * PART, 5200 - 5 * PART) in made
     assert len(made) >= 2
+
+
+# Embeddings just over a part. On TensorFlow their gradients are sparse
+# (`tf.IndexedSlices`), as a language model's are. EMBEDDING_PART: 4 whole
+# parts and one row (blocks of 256 and of 128) of a table just over
+# `COMPILE_MIN_ELEMENTS` (2**16), whose update TensorFlow compiles, as it
+# does every table over a part. REAL_ROWS: just over `PART_ELEMENTS`
+# itself. The ids reach every part, some rows twice.
+WIDTH = 256
+ROWS, EMBEDDING_PART = 2**16 // WIDTH + 1, 2**14
+REAL_ROWS = parts.PART_ELEMENTS // WIDTH + 1
+IDS = np.array([[0, 7, 7, ROWS - 1], [128, ROWS - 1, 1, 7]], "int32")
+QUANTIZED = ["8bit", "4bit", "float8"]
+
+
+def _embedding(policy="float32"):
+    with kmp.policy_scope(policy):
+        keras.utils.set_random_seed(3)
+        layer = keras.layers.Embedding(ROWS, WIDTH)
+        layer.build(IDS.shape)
+    return layer
+
+
+def _embedding_gradients(ids=IDS, steps=2):
+    """Each step's gradients, sparse on TensorFlow: of a loss linear in the
+    rows looked up, so they do not depend on the weights."""
+    layer = _embedding()
+    rng = np.random.default_rng(0)
+
+    def loss_of(target):
+        target = ops.convert_to_tensor(target)
+        return lambda: ops.sum(layer(ops.convert_to_tensor(ids)) * target)
+
+    grads = [
+        backends.gradients(
+            loss_of(rng.normal(size=ids.shape + (WIDTH,)).astype("float32")),
+            layer.trainable_variables,
+        )
+        for _ in range(steps)
+    ]
+    if backends.TENSORFLOW:
+        tf = backends.tensorflow()
+        assert all(isinstance(g, tf.IndexedSlices) for (g,) in grads)
+    return grads
+
+
+def _dense(gradients):
+    """The gradients made dense (a sparse one's rows summed)."""
+    if not backends.TENSORFLOW:
+        return gradients
+    tf = backends.tensorflow()
+    return [tf.convert_to_tensor(g) for g in gradients]
+
+
+def _train_embedding(monkeypatch, part, slot_dtype, mode, grads):
+    """The embedding's and its optimizer's state after a step with each
+    of `grads`, with parts of `part` elements."""
+    monkeypatch.setattr(parts, "PART_ELEMENTS", part)
+    layer = _embedding()
+    optimizer = kmp.LowPrecisionOptimizer(
+        keras.optimizers.Adam(1e-2), slot_dtype=slot_dtype, seed=5
+    )
+    optimizer.build(layer.trainable_variables)
+    step = stepper(optimizer, layer.trainable_variables, mode)
+    for gradients in grads:
+        step(gradients)
+    names = [v.name for v in layer.trainable_variables + optimizer.variables]
+    return list(zip(names, state(layer, optimizer)))
+
+
+def _embedding_in_parts_and_whole(monkeypatch, slot_dtype, mode, grads, dense):
+    """The states (whole, in parts) after steps of `grads` in parts and
+    of `dense(grads)` whole; checks the rows looked up moved."""
+    made = _count_parts(monkeypatch)
+    split = _train_embedding(
+        monkeypatch, EMBEDDING_PART, slot_dtype, mode, grads
+    )
+    assert (4 * EMBEDDING_PART, WIDTH) in made  # The last part: one row.
+    made.clear()
+    whole_grads = [dense(g) for g in grads]
+    whole = _train_embedding(monkeypatch, 10**9, slot_dtype, mode, whole_grads)
+    assert not made
+    looked_up = np.unique(IDS)
+    before = _embedding().get_weights()[0][looked_up]
+    assert not np.isclose(split[0][1][looked_up], before).any()
+    return whole, split
+
+
+@pytest.mark.parametrize("slot_dtype", QUANTIZED)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_large_embedding_in_parts_gives_the_whole_update(
+    monkeypatch, mode, slot_dtype
+):
+    """Its gradient (sparse, on TensorFlow) in parts gives the whole
+    update of it made dense (rows met twice summed), in every mode."""
+    grads = _embedding_gradients()
+    _same(
+        *_embedding_in_parts_and_whole(
+            monkeypatch, slot_dtype, mode, grads, _dense
+        )
+    )
+
+
+@pytest.mark.tensorflow
+def test_rows_met_once_update_in_parts_as_keras_updates_them_whole(
+    monkeypatch,
+):
+    """With no row met twice, a sparse gradient in parts gives Keras's own
+    whole update of it as it is (which squares a sparse gradient's rows
+    before it sums those met twice)."""
+    grads = _embedding_gradients(np.unique(IDS)[None])
+    _same(
+        *_embedding_in_parts_and_whole(
+            monkeypatch, "8bit", "tf_function", grads, list
+        )
+    )
+
+
+def _fit_embedding(rows, ids, rounding, slot_dtype):
+    """`fit`, compiled by default, for a step of a bfloat16 Embedding of
+    `rows` rows (TensorFlow: sparse gradients): it trains the rows looked
+    up, and only those, in parts."""
+    with kmp.policy_scope("bfloat16"):
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential(
+            [
+                keras.Input((ids.shape[1],), dtype="int32"),
+                keras.layers.Embedding(rows, WIDTH),
+                keras.layers.GlobalAveragePooling1D(),
+                keras.layers.Dense(2, dtype="float32"),
+            ]
+        )
+    before = model.get_weights()[0]
+    optimizer = kmp.LowPrecisionOptimizer(
+        keras.optimizers.Adam(1e-2), rounding, slot_dtype=slot_dtype
+    )
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.fit(ids, np.array([0, 1]), batch_size=2, verbose=0)
+    assert parts.bounds(optimizer, 0, lambda *a: None)
+    assert int(numpy_of(optimizer.iterations)) == 1
+    table = model.get_weights()[0]
+    looked_up = np.unique(ids)
+    assert not np.array_equal(table[looked_up], before[looked_up])
+    others = np.setdiff1d(np.arange(rows), looked_up)
+    np.testing.assert_array_equal(table[others], before[others])
+    slots = [slot for _, slot in optimizer._located[0]]
+    assert slots and all(numpy_of(slot.scales).any() for slot in slots)
+
+
+@pytest.mark.parametrize(
+    "rounding, slot_dtype",
+    [("stochastic", "8bit"), ("kahan", "4bit"), ("stochastic", "float8")],
+)
+def test_fit_trains_a_large_bfloat16_embedding(
+    monkeypatch, rounding, slot_dtype
+):
+    monkeypatch.setattr(parts, "PART_ELEMENTS", EMBEDDING_PART)
+    _fit_embedding(ROWS, IDS, rounding, slot_dtype)
+
+
+def test_fit_trains_an_embedding_just_over_the_real_part():
+    """A table of the size a language model's has, at its smallest."""
+    ids = np.array([[0, 7, 7, REAL_ROWS - 1], [2048, 1, 7, 9]], "int32")
+    _fit_embedding(REAL_ROWS, ids, "kahan", "8bit")

@@ -79,9 +79,47 @@ def update_variable(optimizer, gradient, learning_rate, variable, index):
 # (elementwise: XLA fuses it; TensorFlow's graph runs it as it is).
 slot_view = tf_rounding.DequantizedView
 nearest_code = codes.nearest
-# Large variables with quantized slots in parts (`kmp.core.parts`), inside
-# their compiled update: a `tf.while_loop` carrying the flat arrays.
-update_in_parts = shared.update_in_parts
+
+
+def update_in_parts(
+    optimizer, gradient, learning_rate, variable, index, bounds
+):
+    """A large variable's update with quantized slots in parts
+    (`kmp.core.parts`), inside its compiled update: a `tf.while_loop`
+    carrying the flat arrays (`kmp.core.step.low_precision`).
+
+    The parts slice the gradient flat, so a sparse one (`tf.IndexedSlices`:
+    an `Embedding`'s rows) is made dense first, in the variable's shape
+    (`dense_gradient`).
+    """
+    shared.update_in_parts(
+        optimizer,
+        dense_gradient(gradient, variable),
+        learning_rate,
+        variable,
+        index,
+        bounds,
+    )
+
+
+def dense_gradient(gradient, variable):
+    """`gradient` as a dense tensor of `variable`'s static shape.
+
+    A `tf.IndexedSlices` is summed into its rows as `tf.convert_to_tensor`
+    does (`tf.math.unsorted_segment_sum`), but over the variable's own
+    number of rows: inside the compiled update its `dense_shape` is a
+    traced tensor, so `tf.convert_to_tensor` gives a first axis of unknown
+    size, which `keras.ops.view` cannot take (it tests the size in Python).
+    Keras's update of the variable whole squares a sparse gradient's rows
+    before a row met more than once is summed (`keras.ops.square` keeps
+    it sparse); here, as on JAX and torch, the summed row is squared.
+    """
+    shape = tuple(variable.shape)
+    if isinstance(gradient, tf.IndexedSlices):
+        gradient = tf.math.unsorted_segment_sum(
+            gradient.values, gradient.indices, shape[0]
+        )
+    return tf.reshape(gradient, shape)
 
 
 def slot_part_view(slot, part):
