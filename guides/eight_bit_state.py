@@ -111,6 +111,9 @@ print(f"pretrained: test accuracy {100 * before:.1f}%")
 # (the softmax stays float32) compiled like the original, its optimizer
 # wrapped in `LowPrecisionOptimizer` with the rounding and slots asked for.
 # Stochastic rounding keeps no compensation buffer (Kahan's 2 bytes).
+# A keras-hub task (`GPT2CausalLM`, ...) converts the same way: the copy
+# keeps the optimizer it was compiled with (not the task's default), and
+# its `.keras` file brings back the 8-bit state.
 
 float32_copy = keras.models.clone_model(pretrained)
 float32_copy.set_weights(pretrained.get_weights())

@@ -209,6 +209,20 @@ class _PolicyState:
 _state = globals().get("_state") or _PolicyState()
 
 
+def layer_policy(layer) -> keras.DTypePolicy:
+    """The policy `layer` runs under.
+
+    A layer built with a `DTypePolicyMap` (keras-hub does this for
+    quantized or per-layer policies, and `kmp.convert` for the layers it
+    keeps in float32) holds the whole map; its own policy is the map's
+    entry for its path.
+    """
+    policy = layer.dtype_policy
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+        return policy[layer.path] if layer.path else policy.default_policy
+    return policy
+
+
 def _tracker():
     return _keras_global_state.GLOBAL_STATE_TRACKER
 

@@ -4,6 +4,8 @@
 
 - `global_policy` (behaviour): a policy a user sets holds in every thread;
 - `compile` (behaviour): compile's automatic loss scaling is kmp's;
+- `hub_compile` (behaviour): a keras-hub task loaded from a `.keras` file
+  is compiled as it was saved, so its optimizer's state loads too;
 - `dense` (performance, TensorFlow): a float32 Dense keeps a bfloat16 or
   float16 input for its backward pass, not a float32 copy;
 - `recurrent` (performance, TensorFlow): LSTM, GRU and SimpleRNN cast their
@@ -19,7 +21,7 @@ environment variable `KMP_PATCHES`: `none`, a list of names to install
 performance patches stay off with one warning.
 
 >>> sorted(info.name for info in available())
-['compile', 'dense', 'global_policy', 'mean', 'recurrent']
+['compile', 'dense', 'global_policy', 'hub_compile', 'mean', 'recurrent']
 """
 
 import importlib
@@ -30,6 +32,7 @@ from typing import Tuple
 from kmp.core import backend
 from kmp.patches import compile as _compile_patch
 from kmp.patches import global_policy as _global_policy_patch
+from kmp.patches import hub_compile as _hub_compile_patch
 from kmp.patches import registry
 
 DEFAULT_OFF = ()
@@ -42,7 +45,7 @@ class VersionWarning(UserWarning):
 
 def _patches() -> list:
     # Looked up each time: importlib.reload of a patch module replaces it.
-    modules = [_global_policy_patch, _compile_patch]
+    modules = [_global_policy_patch, _compile_patch, _hub_compile_patch]
     if backend.is_tensorflow():
         modules += [
             importlib.import_module(f"kmp.patches.{name}")

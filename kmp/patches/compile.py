@@ -54,6 +54,7 @@ from keras.src.trainers import trainer as _keras_trainer
 from kmp.core import backend
 from kmp.core import kept_state
 from kmp.core import optimizer as optimizer_module
+from kmp.core import policy as core_policy
 from kmp.core.step import lagged
 from kmp.patches import registry
 
@@ -65,7 +66,7 @@ _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 
 def _layer_policies(model):
     return [
-        layer.dtype_policy
+        core_policy.layer_policy(layer)
         for layer in model._flatten_layers(include_self=False)
         if not isinstance(layer, keras.layers.InputLayer)
     ]

@@ -26,6 +26,8 @@ from typing import Tuple
 import keras
 from keras.src.models.functional import Functional
 
+from kmp.core.policy import layer_policy
+
 LOW_PRECISION_DTYPES = ("float16", "bfloat16")
 _SOFTMAX_ACTIVATIONS = ("softmax", "log_softmax")
 
@@ -78,19 +80,6 @@ def check_built(model, function: str, needs: str) -> None:
 def is_floating(dtype) -> bool:
     """Whether `dtype` (any form Keras accepts) is a floating dtype."""
     return keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype))
-
-
-def layer_policy(layer) -> keras.DTypePolicy:
-    """The policy `layer` runs under.
-
-    A layer built with a `DTypePolicyMap` (keras-hub does this for
-    quantized or per-layer policies) holds the whole map; its own policy
-    is the map's entry for its path.
-    """
-    policy = layer.dtype_policy
-    if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
-        return policy[layer.path] if layer.path else policy.default_policy
-    return policy
 
 
 def has_floating_policy(layer) -> bool:

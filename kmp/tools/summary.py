@@ -10,7 +10,9 @@ model.
 * under float16, matrix dimensions (Dense units, Conv filters and their input
   sizes) and a fixed batch size that are not multiples of 8, which keeps
   NVIDIA Tensor Cores from being used;
-* variables stored in float16 or bfloat16, where small updates are lost;
+* variables stored in float16 or bfloat16, where small updates are lost
+  (unless the optimizer is a `kmp.LowPrecisionOptimizer` with Kahan or
+  stochastic rounding, which keeps them);
 * a compiled model that computes in float16 without a loss-scale optimizer.
 
 `keras.ops` calls in a Functional model (`x * 2`, `x[:, 0]`) get a row too,
@@ -28,6 +30,7 @@ import keras
 import ml_dtypes
 import numpy as np
 
+from kmp.core import low_precision
 from kmp.core.policy import global_policy
 from kmp.tools import models
 from kmp.tools.tables import text_table
@@ -44,6 +47,7 @@ _COLUMNS = (
     "Params",
 )
 _NO_POLICY = "-"
+_SHARED = "shared"
 
 
 def _variable_dtypes(layer) -> List[str]:
@@ -52,8 +56,8 @@ def _variable_dtypes(layer) -> List[str]:
     )
 
 
-def _parameter_count(layer) -> int:
-    return sum(math.prod(v.shape) for v in layer.weights)
+def _parameter_count(variables) -> int:
+    return sum(math.prod(v.shape) for v in variables)
 
 
 def _itemsize(dtype) -> int:
@@ -91,7 +95,26 @@ def _memory_lines(model) -> List[str]:
         f"{(weights + state) / trainable:.2f} bytes per trainable parameter "
         "(float32 Adam: 12)"
     )
+    lines.extend(_state_per_device_lines(optimizer))
     return lines
+
+
+def _state_per_device_lines(optimizer) -> List[str]:
+    """The optimizer state's bytes on each device, where it lies on several
+    (a `keras.distribution` on JAX: the variables' addressable shards)."""
+    totals = {}
+    for variable in optimizer.variables:
+        shards = getattr(variable.value, "addressable_shards", None)
+        for shard in shards or ():
+            totals[shard.device] = totals.get(shard.device, 0) + (
+                shard.data.nbytes
+            )
+    if len(totals) < 2:
+        return []
+    low, high = min(totals.values()), max(totals.values())
+    spread = f"{high:,}" if low == high else f"{low:,} to {high:,}"
+    devices = len(totals)
+    return [f"Optimizer state per device ({devices} devices): {spread} bytes"]
 
 
 def _activation_name(layer) -> Optional[str]:
@@ -105,7 +128,10 @@ def _computes_softmax(layer) -> bool:
     return _activation_name(layer) in ("softmax", "log_softmax")
 
 
-def _row(name, operation) -> tuple:
+def _row(name, operation, counted) -> tuple:
+    """The table row of one operation; `counted` holds the ids of the
+    variables earlier rows counted (a layer used twice, or tied weights
+    such as a language model's reversible embedding, are counted once)."""
     outputs = models.output_dtypes(operation)
     output_text = ",".join(outputs) if outputs else "?"
     if not models.is_layer(operation):
@@ -117,6 +143,11 @@ def _row(name, operation) -> tuple:
         return (name, kind, _NO_POLICY, compute, "-", output_text, "0")
     policy = models.layer_policy(operation)
     variables = _variable_dtypes(operation)
+    new = [v for v in operation.weights if id(v) not in counted]
+    counted.update(id(v) for v in new)
+    params = str(_parameter_count(new))
+    if operation.weights and not new:
+        params = _SHARED
     return (
         name,
         type(operation).__name__,
@@ -124,7 +155,7 @@ def _row(name, operation) -> tuple:
         policy.compute_dtype,
         ",".join(variables) if variables else "-",
         output_text,
-        str(_parameter_count(operation)),
+        params,
     )
 
 
@@ -162,6 +193,7 @@ def _findings(model) -> List[str]:
         if finding:
             findings.append(finding)
     float16_layers = []
+    compensated = _compensating_optimizer(model) is not None
     for name, layer in models.named_operations(model):
         if not models.is_layer(layer):
             continue
@@ -181,13 +213,15 @@ def _findings(model) -> List[str]:
             if keras.backend.standardize_dtype(v.dtype)
             in models.LOW_PRECISION_DTYPES
         ]
-        if low_variables:
+        if low_variables and not compensated:
             findings.append(
                 f"Layer {name!r} stores variables in "
                 f"{'/'.join(_variable_dtypes(layer))} ({len(low_variables)} "
                 "of them): updates smaller than their precision are lost. "
                 "Use a mixed policy ('mixed_float16' or 'mixed_bfloat16'), "
-                "which keeps variables in float32."
+                "which keeps variables in float32, or compile with "
+                "kmp.LowPrecisionOptimizer(optimizer), whose Kahan or "
+                "stochastic rounding keeps them."
             )
     if float16_layers:
         findings.extend(_batch_size_findings(model))
@@ -201,6 +235,20 @@ def _findings(model) -> List[str]:
                 "kmp.LossScaleOptimizer(optimizer)."
             )
     return findings
+
+
+def _compensating_optimizer(model):
+    """The model's `kmp.LowPrecisionOptimizer` that keeps low-precision
+    weights' small updates (Kahan or stochastic rounding), wrapped or not;
+    None if it has none."""
+    optimizer = getattr(model, "optimizer", None)
+    while optimizer is not None:
+        if isinstance(optimizer, low_precision.LowPrecisionOptimizer):
+            if optimizer.rounding in ("kahan", "stochastic"):
+                return optimizer
+            return None
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return None
 
 
 def _tensor_core_findings(name, layer) -> List[str]:
@@ -274,16 +322,24 @@ def summary(
         )
     models.check_graph_model(model, "summary")
     models.check_built(model, "summary", "has no layer dtypes to show yet")
-    rows = [_row(name, op) for name, op in models.named_operations(model)]
+    counted = set()
+    rows = [
+        _row(name, op, counted) for name, op in models.named_operations(model)
+    ]
     lines = [
         f"Model {model.name!r} ({type(model).__name__}); global policy "
         f"{global_policy().name!r}",
         "",
         *text_table(_COLUMNS, rows),
         "",
-        f"Total params: {sum(int(row[-1]) for row in rows)}",
+        f"Total params: {_parameter_count(model.weights)}",
         *_memory_lines(model),
     ]
+    if any(row[-1] == _SHARED for row in rows):
+        lines.append(
+            f"Params {_SHARED!r}: the layer's variables are an earlier "
+            "row's (a layer called twice, or tied weights), counted once."
+        )
     if any(row[2] == _NO_POLICY for row in rows):
         lines.append(
             f"Policy {_NO_POLICY!r}: a keras.ops call, which has no policy "

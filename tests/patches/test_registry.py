@@ -19,15 +19,15 @@ from kmp.patches import registry
 # Reaches into Keras or TensorFlow: CI runs it on the oldest pair too.
 pytestmark = pytest.mark.oldest_pair
 
-ALL = ("global_policy", "compile", "dense", "recurrent", "mean")
-DEFAULTS = ("global_policy", "compile", "dense", "recurrent", "mean")
+ALL = ("global_policy", "compile", "hub_compile", "dense", "recurrent", "mean")
+DEFAULTS = ALL
 TENSORFLOW_ONLY = ("dense", "recurrent", "mean")
 
 
 def _expected_defaults():
     if backend.is_tensorflow():
         return DEFAULTS
-    return ("global_policy", "compile")
+    return ("global_policy", "compile", "hub_compile")
 
 
 @pytest.fixture(autouse=True)
@@ -52,6 +52,7 @@ def test_available_lists_every_patch_with_its_kind():
     assert set(infos) == set(ALL)
     assert infos["global_policy"].kind == "behaviour"
     assert infos["compile"].kind == "behaviour"
+    assert infos["hub_compile"].kind == "behaviour"
     for name in TENSORFLOW_ONLY:
         assert infos[name].kind == "performance"
         assert infos[name].applicable == backend.is_tensorflow()
@@ -267,7 +268,10 @@ def test_a_behaviour_patch_that_fails_its_check_is_removed_and_raises(
         ("", DEFAULTS),
         ("default", DEFAULTS),
         ("none", ()),
-        ("-dense,-recurrent", ("global_policy", "compile", "mean")),
+        (
+            "-dense,-recurrent",
+            ("global_policy", "compile", "hub_compile", "mean"),
+        ),
         ("global_policy", ("global_policy",)),
         ("compile, mean", ("compile", "mean")),
     ],

@@ -7,6 +7,10 @@ Tasks are built on their tiny backbone with `preprocessor=None`, so they take
 the backbone-style inputs (token ids and masks, or images). `skipped()` names
 the other public backbone and task classes, with the reason.
 
+`trained_task(name, optimizer)` gives one of the tasks users fine-tune
+(`TRAINED`: a causal LM, a text and an image classifier), compiled with the
+user's optimizer and trained a few steps.
+
 Nothing is built until `Case.build()` is called, and it builds under the
 global dtype policy in force then. Run as a script,
 
@@ -572,6 +576,23 @@ def cases():
 def skipped():
     """{class name: reason} for the public classes the zoo does not build."""
     return _catalog()[1]
+
+
+# -- Compiled, trained tasks ---------------------------------------------------
+# The tasks users fine-tune, one of each kind: compiled with an optimizer of
+# the user's (and the task's own loss and metrics), then fit a few steps.
+TRAINED = ("GPT2CausalLM", "BertTextClassifier", "ResNetImageClassifier")
+
+
+def trained_task(name, optimizer, batch=4, steps=2):
+    """(case, task): the zoo's task `name` compiled with `optimizer` and
+    trained for `steps` batches of `batch`, as a user fine-tunes one."""
+    case = next(case for case in cases() if case.name == name)
+    task = case.build()
+    task.compile(optimizer=optimizer)
+    size = batch * steps
+    task.fit(case.inputs(size), case.targets(size), batch_size=batch, verbose=0)
+    return case, task
 
 
 # -- Runner --------------------------------------------------------------------

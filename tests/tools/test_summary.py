@@ -88,6 +88,43 @@ def test_float16_variables_are_reported():
     )
 
 
+@pytest.mark.parametrize(
+    "rounding, reported",
+    [("kahan", False), ("stochastic", False), ("nearest", True)],
+)
+def test_bfloat16_variables_with_a_compensating_optimizer(rounding, reported):
+    # bfloat16 weights with LowPrecisionOptimizer's Kahan or stochastic
+    # rounding are the documented recipe, not a mistake.
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(8, dtype="bfloat16", name="d")]
+    )
+    optimizer = kmp.LowPrecisionOptimizer(
+        keras.optimizers.Adam(), rounding=rounding
+    )
+    model.compile(optimizer=optimizer, loss="mse")
+    findings = _findings(summary(model))
+    stored = [f for f in findings if "stores variables in bfloat16" in f]
+    assert bool(stored) is reported
+    if reported:
+        assert "kmp.LowPrecisionOptimizer(optimizer)" in stored[0]
+
+
+def test_a_layer_called_twice_is_counted_once():
+    inputs = keras.Input((4,))
+    shared = keras.layers.Dense(4, name="shared_dense")
+    outputs = shared(shared(inputs))
+    model = keras.Model(inputs, outputs)
+    text = summary(model)
+    assert f"Total params: {model.count_params()}\n" in text
+    counts = [
+        line.split()[-1]
+        for line in text.splitlines()
+        if line.startswith("shared_dense")
+    ]
+    assert counts[0] == "20"
+    assert all(count == "shared" for count in counts[1:])
+
+
 def test_bfloat16_softmax_is_reported_but_not_tensor_cores():
     with kmp.policy_scope("mixed_bfloat16"):
         model = keras.Sequential(

@@ -134,6 +134,9 @@ class AuditReport:
             moments_8bit_error`), ready for `kmp.LowPrecisionOptimizer(...,
             slot_dtype="8bit", exclude_from_8bit=...)`.
         reasons_8bit: For each such layer, why.
+        nested_models: The rows that are models inside the model (a
+            keras-hub task's backbone), audited as one row each; the text
+            says how to audit their layers.
 
     Example:
 
@@ -166,6 +169,7 @@ class AuditReport:
     max_gradient: Optional[float]
     suggested_exclude_from_8bit: Tuple[str, ...] = ()
     reasons_8bit: Dict[str, str] = dataclasses.field(default_factory=dict)
+    nested_models: Tuple[str, ...] = ()
 
     def to_text(self) -> str:
         """The report as a table followed by the suggestions.
@@ -290,6 +294,13 @@ def report_text(report: "AuditReport") -> str:
         lines.append(
             "(op): a keras.ops call, which has no policy and computes in "
             "the dtype its inputs arrive in."
+        )
+    for name in report.nested_models:
+        lines.append(
+            f"{name!r} is a model inside the model, audited as one row: "
+            f"kmp.audit(model.get_layer({name!r}), x, ...) audits its "
+            "layers one by one, with x what it takes (for a keras-hub "
+            "task without a preprocessor, the task's own inputs)."
         )
     lines.append("")
     for dtype in sorted({row.compute_dtype for row in report.layers}):

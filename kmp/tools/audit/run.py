@@ -190,7 +190,7 @@ def audit(
         policy_name = _policy_description(model)
     else:
         low_model = convert(model, policy)
-        policy_name = low_model.dtype_policy.name
+        policy_name = policy.name
     reference_model = convert(model, "float32")
     low_probe = audit_probe.Probe(low_model)
     reference_probe = audit_probe.Probe(reference_model)
@@ -262,6 +262,11 @@ def audit(
             _variable_pattern(name) for name in full_moments
         ),
         reasons_8bit=reasons_8bit,
+        nested_models=tuple(
+            call.name
+            for call in low_probe.calls
+            if models.is_graph_model(call.operation)
+        ),
     )
 
 

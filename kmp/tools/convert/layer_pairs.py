@@ -3,10 +3,13 @@
 `pairs` pairs every layer of a model with its copy: the layers of a graph
 in graph order (which does not depend on the order a constructor sets its
 attributes in), the layers inside a layer in the order it tracks them.
-`copy_weights` copies each layer's own variables to its copy's, after
-checking that their shapes agree, so a config that does not describe the
+`copy_weights` copies each layer's own variables to its copy's (new
+buffers: a copy never shares one with its source), after checking that
+their shapes agree, so a config that does not describe the
 model fully is refused rather than given the wrong weights.
 """
+
+import keras
 
 from kmp.tools import models
 
@@ -108,7 +111,10 @@ def copy_weights(model, rebuilt, pairs, function) -> None:
             )
         assignments.extend(zip(old, new))
     for a, b in assignments:
-        b.assign(a.value)
+        # A copy of the value: on JAX assigning an array of the variable's
+        # dtype keeps that very buffer, which the source's next donating
+        # step would delete under the copy.
+        b.assign(keras.ops.copy(a.value))
 
 
 __all__ = ["copy_weights", "pairs"]

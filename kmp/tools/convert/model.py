@@ -28,6 +28,8 @@ normalization in float32 internally (it upcasts its inputs and casts the result
 back), so float32 would only add a cast. `LayerNormalization` does the same.
 """
 
+import warnings
+
 import keras
 
 from kmp.core.policy import PolicyLike
@@ -61,11 +63,15 @@ def convert(
 
     Weights are copied bit for bit when the variable dtype does not change
     (float32 <-> `"mixed_float16"` / `"mixed_bfloat16"`); under `"float16"` or
-    `"bfloat16"` they are rounded to that dtype. A compiled model gives a
-    compiled copy with a fresh optimizer (the training state is not copied):
-    Keras adds loss scaling when converting to `"mixed_float16"`, and a
-    loss-scale optimizer is unwrapped when converting to a policy that does
-    not compute in float16. Converting a compiled model to `"bfloat16"`
+    `"bfloat16"` they are rounded to that dtype; every variable of the copy
+    is a buffer of its own, never one of the model's. A compiled model
+    gives a copy compiled like it (loss, metrics, `jit_compile`, ...) with a
+    new optimizer of the model's class and settings (its training state is
+    not copied), also for a class whose `compile` is its own (a keras-hub
+    task keeps the user's optimizer, not the task's default): loss scaling
+    is added when converting to `"mixed_float16"`, and a loss-scale
+    optimizer is unwrapped when converting to a policy that does not
+    compute in float16. Converting a compiled model to `"bfloat16"`
     (bfloat16 weights, half the memory of mixed precision) wraps the new
     optimizer in `kmp.LowPrecisionOptimizer` with Kahan compensation, so
     the copy still trains (see `guides/bfloat16_weights.py`); its compile
@@ -144,17 +150,24 @@ def convert(
     float32_ids = set(named_ids)
     if policy.compute_dtype in models.LOW_PRECISION_DTYPES:
         float32_ids |= default_float32_layers(model)
-    if rebuild.rebuilds_from_config(model):
-        converted = rebuild.rebuild(model, policy, float32_ids, named_ids)
-    else:
-        converted = _clone(model, policy, float32_ids)
-    if model.compiled and wraps:
-        convert_optimizer.compile_with_low_precision(
-            converted, model, rounding, slot_dtype, seed
+    with warnings.catch_warnings():
+        # Keras's optimizers read their learning rate with np.array(variable)
+        # in get_config(), which NumPy 2 warns about once per call.
+        warnings.filterwarnings(
+            "ignore", _NUMPY_COPY_WARNING, category=DeprecationWarning
         )
-    elif model.compiled and policy.compute_dtype != "float16":
-        _compile_without_loss_scaling(converted, model)
+        if rebuild.rebuilds_from_config(model):
+            converted = rebuild.rebuild(model, policy, float32_ids, named_ids)
+        else:
+            converted = _clone(model, policy, float32_ids)
+        if model.compiled:
+            convert_optimizer.compile_copy(
+                converted, model, policy, wraps, rounding, slot_dtype, seed
+            )
     return converted
+
+
+_NUMPY_COPY_WARNING = "__array__ implementation doesn't accept a copy keyword"
 
 
 class _CannotRebuild(Exception):
@@ -234,18 +247,6 @@ def _named_inputs(model):
         )
 
     return keras.tree.map_structure(new_input, model.input)
-
-
-def _compile_without_loss_scaling(converted, model) -> None:
-    """Compiles `converted` like `model`, unwrapping a loss-scale optimizer."""
-    config = model.get_compile_config()
-    optimizer = config.get("optimizer")
-    if (
-        isinstance(optimizer, dict)
-        and optimizer.get("class_name") == "LossScaleOptimizer"
-    ):
-        config = dict(config, optimizer=optimizer["config"]["inner_optimizer"])
-        converted.compile_from_config(config)
 
 
 __all__ = ["convert"]

@@ -10,14 +10,22 @@ slots too, `"8bit"` and `"float8"` quarter those of large variables,
 `"4bit"` eighths them). `rounding=None`
 keeps Keras's plain update. The copy's compile config names the wrapper,
 so `model.save` and `keras.models.load_model` bring it back with all its
-state.
+state (a keras-hub task's too: kmp's `hub_compile` patch).
+
+Under every other policy the copy is compiled like the model too, with a
+new optimizer of the same class and settings: loss scaling is added for
+float16 (Keras's automatic wrapping, kmp's `LossScaleOptimizer`) and taken
+off for a policy that does not compute in float16.
 """
 
+import inspect
 import numbers
 
 import keras
 
 from kmp.core import low_precision
+from kmp.core.policy import policy_scope
+from kmp.patches import hub_compile
 
 DEFAULT = object()  # `rounding` not passed
 ROUNDINGS = ("kahan", "stochastic", "nearest")
@@ -106,23 +114,63 @@ def check_optimizer(model) -> None:
             )
 
 
-def compile_with_low_precision(converted, model, rounding, slot_dtype, seed):
-    """Compiles `converted` like `model`, with a new optimizer like the
-    model's (its inner one, if loss-scaled) in `LowPrecisionOptimizer`.
+def compile_copy(converted, model, policy, wraps, rounding, slot_dtype, seed):
+    """Compiles `converted` like `model`, with a new optimizer of the same
+    class and settings (its inner one, if loss-scaled and `policy` does not
+    compute in float16), in `LowPrecisionOptimizer` if `wraps`.
 
-    The compile config names the wrapper (with its seed), so a saved copy
-    loads with it; Keras's compile creates it from that config.
+    It calls `converted.compile(**config)` with the model's compile config,
+    also where the class overrides `compile` (a keras-hub task, whose
+    constructor compiled it with the task's defaults: Keras's
+    `compile_from_config` would keep those). Under `policy` Keras (and
+    kmp's `compile` patch) adds loss scaling for float16. A keras-hub
+    causal LM keeps its sampler.
+
+    Raises:
+        ValueError: the class's `compile` does not take Keras's arguments.
     """
-    inner = _optimizer_to_wrap(model)
-    inner = type(inner).from_config(inner.get_config())  # new, not built
-    wrapped = low_precision.LowPrecisionOptimizer(
-        inner,
-        rounding="kahan" if rounding is DEFAULT else rounding,
-        slot_dtype=None if slot_dtype is DEFAULT else slot_dtype,
-        seed=None if seed is DEFAULT else seed,
-    )
-    config = dict(
-        model.get_compile_config(),
-        optimizer=keras.optimizers.serialize(wrapped),
-    )
-    converted.compile_from_config(config)
+    config = model.get_compile_config()
+    optimizer = config.get("optimizer")
+    if wraps:
+        inner = _optimizer_to_wrap(model)
+        inner = type(inner).from_config(inner.get_config())  # new, not built
+        wrapped = low_precision.LowPrecisionOptimizer(
+            inner,
+            rounding="kahan" if rounding is DEFAULT else rounding,
+            slot_dtype=None if slot_dtype is DEFAULT else slot_dtype,
+            seed=None if seed is DEFAULT else seed,
+        )
+        optimizer = keras.optimizers.serialize(wrapped)
+    elif (
+        policy.compute_dtype != "float16"
+        and isinstance(optimizer, dict)
+        and optimizer.get("class_name") == "LossScaleOptimizer"
+    ):
+        optimizer = optimizer["config"]["inner_optimizer"]
+    config = dict(config, optimizer=optimizer)
+    extra = {}
+    sampler = getattr(model, "sampler", None)
+    if sampler is not None and "sampler" in _parameters(converted.compile):
+        extra["sampler"] = keras.saving.deserialize_keras_object(
+            keras.saving.serialize_keras_object(sampler)
+        )
+    with policy_scope(policy):
+        try:
+            hub_compile.compile_from(converted, config, **extra)
+        except TypeError as error:
+            cls = type(model).__name__
+            raise ValueError(
+                f"kmp.convert() compiles the copy of model {model.name!r} "
+                f"like the model, with {cls}.compile(**compile_config) "
+                "(the config Keras recorded when the model was compiled: "
+                f"{', '.join(sorted(config))}), and {cls}.compile refused "
+                f"it: {error}. Convert the model before compiling it and "
+                "compile the copy yourself."
+            ) from error
+
+
+def _parameters(function) -> tuple:
+    try:
+        return tuple(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return ()
