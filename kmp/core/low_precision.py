@@ -443,7 +443,9 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
 
         Args:
             store: The saved values by position; a seed is one int64 on
-                TensorFlow and torch, two uint32 words on JAX.
+                TensorFlow and torch, two uint32 words on JAX; quantized
+                codes and scales saved flat (kmp before they took their
+                variable's shape) are reshaped.
         """
         position = next(
             str(i) for i, v in enumerate(self.variables) if v is self._seed
@@ -454,6 +456,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
                 store = {key: store[key] for key in store.keys()}
                 seed = rounding.seed_of_saved(saved)
                 store[position] = self._streams.seed_value(seed)
+            store = quantized_slots.reshaped_store(self, store)
         super().load_own_variables(store)
 
     def get_config(self) -> dict:

@@ -31,7 +31,9 @@ the variable); under XLA within a float32 rounding (it may fuse a multiply
 and an add otherwise for a part's shape), and a part's stochastic-rounding
 bits come from the variable's seed with the part's first index folded in.
 Variables with a constraint (which reads the whole variable) are updated
-whole.
+whole, and so are variables sharded by a layout (`keras.distribution`):
+each device updates its own shard, whose temporaries are the shard's, where
+flat parts would gather the variable onto every device.
 """
 
 import math
@@ -54,12 +56,24 @@ def bounds(optimizer, index, update_in_parts):
     variable = optimizer._trainable_variables[index]
     if getattr(variable, "constraint", None) is not None:
         return None
+    if is_sharded(variable):
+        return None
     size = math.prod(tuple(variable.shape))
     block = located[0][1].block_size
     step = max(1, PART_ELEMENTS // block) * block
     if size <= step:
         return None
     return [(start, min(start + step, size)) for start in range(0, size, step)]
+
+
+def is_sharded(variable) -> bool:
+    """Whether `variable`'s layout (a `keras.distribution.TensorLayout`,
+    or a backend's sharding with a `spec`) shards any of its axes."""
+    layout = getattr(variable, "_layout", None)
+    axes = getattr(layout, "axes", None)
+    if axes is None:
+        axes = getattr(layout, "spec", None) or ()
+    return any(axis is not None for axis in axes)
 
 
 class Part:
@@ -100,7 +114,7 @@ class Part:
 
     def write_slot(self, slot, value, nearest):
         """Quantizes float32 `value` into this part of the slot."""
-        codes, scales = slot.encoded(value, nearest)
+        codes, scales = slot.encoded_flat(value, nearest)
         start = quantization.byte_count(self.start, slot.code)
         self.write(slot.codes, start, codes)
         self.write(slot.scales, self.start // slot.block_size, scales)
@@ -114,4 +128,4 @@ def write_back(pairs, nearest, part):
             part.write_slot(slot, view.value, nearest)
 
 
-__all__ = ["PART_ELEMENTS", "Part", "bounds", "write_back"]
+__all__ = ["PART_ELEMENTS", "Part", "bounds", "is_sharded", "write_back"]

@@ -11,8 +11,11 @@ little memory and the most sensitive updates, as bitsandbytes found.
 How: while the inner optimizer builds, its `add_variable_from_reference`
 is lent a form that makes, for such a slot, a variable of codes in bytes
 (what the inner optimizer's slot list holds) and one of float32 block
-scales beside it (`kmp.core.quantization`). In a step, each variable's
-update sees, in place of those codes, a float32 view of the slot
+scales beside it (`kmp.core.quantization`), both laid out like the
+variable under a `keras.distribution` (`layouts`: the same mesh axes on
+the same axes, as Keras gives its own slots the variable's layout), so
+each device holds the codes and scales of its own shard. In a step, each
+variable's update sees, in place of those codes, a float32 view of the slot
 (`views`: the backend's `DequantizedView`); what the update writes is
 quantized back into the codes and scales (`write_back`). The arithmetic
 stays the inner optimizer's own, in float32.
@@ -24,6 +27,7 @@ import numbers
 import re
 
 import keras
+import numpy as np
 
 from kmp.core import checks
 from kmp.core import codes
@@ -166,32 +170,179 @@ def lent_builder(plan, inner, slots):
         ):
             return original(reference_variable, name, initializer)
         shape = tuple(reference_variable.shape)
-        count = quantization.blocks(math.prod(shape), plan.block_size)
+        code = plan.code
+        storage = quantization.storage(shape, plan.block_size, code)
+        if storage is None:  # Flat codes, padded to whole blocks.
+            count = quantization.blocks(math.prod(shape), plan.block_size)
+            codes_shape = (
+                quantization.byte_count(count * plan.block_size, code),
+            )
+            scales_shape = (count,)
+        else:
+            codes_shape, scales_shape = storage.codes, storage.scales
+        codes_layout, scales_layout = layouts(
+            reference_variable, storage, plan, name
+        )
         base = f"{reference_variable.path.replace('/', '_')}_{name}"
         signed = quantization.is_signed(name)
-        code = plan.code
         data = inner.add_variable(
-            shape=(quantization.byte_count(count * plan.block_size, code),),
+            shape=codes_shape,
             initializer=keras.initializers.Constant(
                 quantization.zero_byte(code, signed)
             ),
             dtype=quantization.CODE_DTYPE,
             name=f"{base}_{code.name}",
+            **_layout_argument(codes_layout),
         )
         scales = inner.add_variable(
-            shape=(count,),
+            shape=scales_shape,
             initializer="zeros",
             dtype="float32",
             name=f"{base}_scale",
+            **_layout_argument(scales_layout),
         )
         slots.append(
             quantization.QuantizedSlot(
-                data, scales, name, shape, plan.block_size, code
+                data, scales, name, shape, plan.block_size, code, storage
             )
         )
         return data
 
     return add_variable_from_reference
+
+
+def _layout_argument(layout) -> dict:
+    # Only with a layout: `add_variable` then behaves as before without.
+    return {} if layout is None else {"layout": layout}
+
+
+def layouts(variable, storage, plan, slot_name):
+    """`(codes layout, scales layout)` of a quantized slot of `variable`:
+    its layout's mesh axes on the same axes (`storage`,
+    `kmp.core.quantization.Storage`; None: flat codes, which only a
+    replicated layout can hold), the scales' blocked axis sharded where each
+    device holds whole blocks (else the scales of those blocks, 1/256 of
+    the codes' elements, are on each device of that mesh axis, and the
+    block's largest value is taken across them); `(None, None)` for a
+    variable without a layout.
+
+    Raises:
+        ValueError: the layout shards an axis the slot's blocks or 4-bit
+            byte pairs run across, naming the variable and why.
+    """
+    layout = getattr(variable, "_layout", None)
+    axes = _axes_of(layout)
+    if axes is None:
+        return None, None
+    sizes = _mesh_sizes(layout)
+
+    def devices(axis):
+        names = axis if isinstance(axis, (tuple, list)) else (axis,)
+        return math.prod(sizes[n] for n in names if n is not None)
+
+    shape = tuple(variable.shape)
+    where = (
+        f"The {plan.code.name} {slot_name} slot of {variable.path!r} "
+        f"(shape {shape}) cannot be laid out like the variable's layout "
+        f"{tuple(axes)}"
+    )
+    if storage is None:
+        if any(axis is not None for axis in axes):
+            columns = shape[-1] if shape else 1
+            if columns % plan.code.per_byte:
+                why = (
+                    f"its last axis, {columns}, is odd, and 4-bit codes pack "
+                    "two neighbours on the flattened slot in a byte"
+                )
+            elif len(shape) > 1 and plan.block_size % columns == 0:
+                why = (
+                    f"its blocks of {plan.block_size} elements, "
+                    f"{plan.block_size // columns} rows each, run across "
+                    f"its {shape[-2]} rows (not a multiple of "
+                    f"{plan.block_size // columns})"
+                )
+            else:
+                why = (
+                    f"its blocks of {plan.block_size} elements run across "
+                    f"its rows: its last axis, {columns}, is neither a "
+                    "multiple nor a divisor of the block size"
+                )
+            raise ValueError(
+                f"{where}: {why}. Pass a block_size that the last axis is a "
+                "multiple of, or one that is a multiple of it, or keep this "
+                "variable's slots unquantized (exclude_from_8bit)."
+            )
+        return _like(layout, (None,)), _like(layout, (None,))
+    columns = axes[-1]
+    if columns is not None and storage.codes[-1] % devices(columns):
+        raise ValueError(
+            f"{where}: 4-bit codes pack two neighbours on the last axis in "
+            f"a byte, and each of the {devices(columns)} devices of mesh "
+            f"axis {columns!r} holds {shape[-1] // devices(columns)} of its "
+            f"{shape[-1]} columns, an odd number. Shard an axis of an even "
+            "number of columns per device, or use slot_dtype='8bit'."
+        )
+    scales = list(axes)
+    if storage.rows > 1:  # A block holds whole rows: all the columns.
+        scales[-1] = None
+    blocked = -2 if storage.rows > 1 else -1
+    axis = scales[blocked]
+    if axis is not None and storage.scales[blocked] % devices(axis):
+        scales[blocked] = None
+    return _like(layout, axes), _like(layout, scales)
+
+
+def _axes_of(layout):
+    """A layout's mesh axis per variable axis (None: not a known layout)."""
+    if layout is None:
+        return None
+    axes = getattr(layout, "axes", None)
+    if axes is None:
+        axes = getattr(layout, "spec", None)
+    return None if axes is None else tuple(axes)
+
+
+def _mesh_sizes(layout) -> dict:
+    if isinstance(layout, keras.distribution.TensorLayout):
+        mesh = layout.device_mesh
+        if mesh is None:  # Given the distribution's when it is used.
+            mesh = keras.distribution.distribution().device_mesh
+        return dict(zip(mesh.axis_names, mesh.shape))
+    return dict(layout.mesh.shape)  # A JAX NamedSharding.
+
+
+def _like(layout, axes):
+    """A layout of `axes` on `layout`'s mesh, of `layout`'s kind."""
+    if isinstance(layout, keras.distribution.TensorLayout):
+        return keras.distribution.TensorLayout(axes, layout.device_mesh)
+    return type(layout)(layout.mesh, type(layout.spec)(*axes))
+
+
+def reshaped_store(optimizer, store):
+    """`store` (saved values by position in `optimizer.variables`) with
+    the quantized codes and scales saved flat (as kmp kept them before they
+    were laid out in their variable's shape: the same bytes, row-major)
+    reshaped to their variables' shapes."""
+    quantized = {
+        id(variable)
+        for entries in optimizer._located.values()
+        for _, slot in entries
+        for variable in (slot.codes, slot.scales)
+    }
+    reshaped = {}
+    for position, variable in enumerate(optimizer.variables):
+        key = str(position)
+        if id(variable) not in quantized or key not in store.keys():
+            continue
+        saved = store[key]
+        shape = tuple(variable.shape)
+        if tuple(saved.shape) != shape and math.prod(saved.shape) == (
+            math.prod(shape)
+        ):
+            reshaped[key] = np.reshape(np.asarray(saved), shape)
+    if not reshaped:
+        return store
+    return {key: reshaped.get(key, store[key]) for key in store.keys()}
 
 
 def locate(inner, slots):

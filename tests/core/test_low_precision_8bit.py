@@ -88,12 +88,14 @@ def test_large_slots_are_codes_and_scales_small_ones_stay(slot_dtype):
     assert optimizer.quantized
     slots = _slot_variables(optimizer)
     kernel = model.layers[0].kernel.path.replace("/", "_")
-    size = 64 if slot_dtype == "4bit" else 128  # Two 4-bit codes a byte.
+    # Laid out like the 8x16 kernel (two 4-bit codes a byte); a block of
+    # 32 is two of its rows, so one scale per two rows.
+    shape = (8, 8) if slot_dtype == "4bit" else (8, 16)
     for name in ("momentum", "velocity"):
         data = slots[f"{kernel}_{name}_{slot_dtype}"]
         scales = slots[f"{kernel}_{name}_scale"]
-        assert (data.dtype, tuple(data.shape)) == ("uint8", (size,))
-        assert (scales.dtype, tuple(scales.shape)) == ("float32", (4,))
+        assert (data.dtype, tuple(data.shape)) == ("uint8", shape)
+        assert (scales.dtype, tuple(scales.shape)) == ("float32", (4, 1))
         # A new slot reads as zeros.
         zero = q.zero_byte(codes.CODES[slot_dtype], name == "momentum")
         assert np.all(numpy_of(data) == zero)
@@ -125,9 +127,10 @@ def _dequantized(optimizer, name, slot_dtype="8bit"):
     code = codes.CODES[slot_dtype]
     slots = _slot_variables(optimizer)
     data = numpy_of(slots[f"{name}_{slot_dtype}"]).astype(np.int64)
+    data = data.reshape(-1)
     if code.bits == 4:
         data = np.stack([data // 16, data % 16], axis=1).reshape(-1)
-    scales = numpy_of(slots[f"{name}_scale"])
+    scales = numpy_of(slots[f"{name}_scale"]).reshape(-1)
     table = code.table(q.is_signed(name.rsplit("_", 1)[-1]))
     block = SMALL["block_size"]
     value = (table[data].reshape(-1, block) * scales[:, None]).reshape(-1)
@@ -298,6 +301,31 @@ def test_a_keras_file_resumes_bit_for_bit(tmp_path, slot_dtype):
     fit(loaded, slice(48, None))
     for got, want in zip(state(loaded, loaded.optimizer), uninterrupted):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("slot_dtype", CODES)
+def test_state_saved_with_flat_codes_loads_into_the_variables_shapes(
+    slot_dtype,
+):
+    # Before kmp laid codes and scales out in their variable's shape, it
+    # kept them flat: the same bytes, row-major.
+    model = _model()
+    optimizer = _eight_bit(slot_dtype=slot_dtype)
+    optimizer.build(model.trainable_variables)
+    stepper(optimizer, model.trainable_variables, "eager")(_gradients(model))
+    saved = [numpy_of(v) for v in optimizer.variables]
+    flat = {
+        str(n): value.reshape(-1) if v.path.endswith(SUFFIXES) else value
+        for n, (v, value) in enumerate(zip(optimizer.variables, saved))
+    }
+    assert any(
+        flat[str(n)].shape != value.shape for n, value in enumerate(saved)
+    )
+    loaded = _eight_bit(slot_dtype=slot_dtype)
+    loaded.build(_model().trainable_variables)
+    loaded.load_own_variables(flat)
+    for variable, want in zip(loaded.variables, saved):
+        np.testing.assert_array_equal(numpy_of(variable), want)
 
 
 @pytest.mark.parametrize("slot_dtype", CODES)

@@ -139,3 +139,57 @@ def test_a_non_negative_slot_is_kept_as_its_root():
     momentum = ops.convert_to_tensor(np.array([-1.0, 2.0], np.float32))
     assert q.encode(momentum, "momentum") is momentum
     assert q.is_signed("momentum") and not q.is_signed("velocity_hat")
+
+
+@pytest.mark.parametrize("name", list(codes.CODES))
+@pytest.mark.parametrize(
+    "shape, block_size, rows",
+    [
+        ((6, 64), 32, 1),  # Two blocks a row.
+        ((3, 4, 64), 64, 1),  # A block a row, on a rank-3 variable.
+        ((8, 16), 32, 2),  # A block of two rows.
+        ((512,), 128, 1),  # A vector of whole blocks.
+    ],
+)
+def test_shaped_storage_holds_the_flat_blocks_in_the_variables_axes(
+    name, shape, block_size, rows
+):
+    code = codes.CODES[name]
+    storage = q.storage(shape, block_size, code)
+    assert storage.rows == rows
+    assert storage.codes == (*shape[:-1], shape[-1] // code.per_byte)
+    rng = np.random.default_rng(1)
+    value = ops.convert_to_tensor(rng.normal(size=shape).astype("float32"))
+    flat_codes, flat_scales = q.quantize(value, code, True, block_size)
+    data, scales = q.quantize_shaped(value, code, True, storage)
+    assert tuple(scales.shape) == storage.scales
+    # The same bytes and scales as the flat blocks', reshaped.
+    np.testing.assert_array_equal(
+        ops.convert_to_numpy(data).reshape(-1),
+        ops.convert_to_numpy(flat_codes),
+    )
+    np.testing.assert_array_equal(
+        ops.convert_to_numpy(scales).reshape(-1),
+        ops.convert_to_numpy(flat_scales),
+    )
+    back = q.dequantize_shaped(data, scales, code, True, storage)
+    flat_back = q.dequantize(
+        flat_codes, flat_scales, code, True, shape, block_size
+    )
+    np.testing.assert_array_equal(
+        ops.convert_to_numpy(back), ops.convert_to_numpy(flat_back)
+    )
+
+
+@pytest.mark.parametrize(
+    "shape, name",
+    [
+        ((16, 300), "8bit"),  # 300 columns: blocks of 256 run across rows.
+        ((10, 64), "8bit"),  # Blocks of 4 rows, and 10 rows.
+        ((4096, 3), "4bit"),  # Odd columns: 4-bit pairs run across rows.
+        ((300,), "8bit"),  # A last, shorter block: padded.
+    ],
+)
+def test_shapes_whose_blocks_do_not_tile_their_rows_stay_flat(shape, name):
+    code = codes.CODES[name]
+    assert q.storage(shape, code.block_size, code) is None
