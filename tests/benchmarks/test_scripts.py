@@ -82,6 +82,14 @@ JAX_ONLY = {
     ),
 }
 
+# Scripts that need keras-hub (skipped without it), on every backend.
+HUB = {
+    "hub_convert.py": (
+        "--steps 2 --batch-size 4 --files 1".split(),
+        "converted / hand-built",
+    ),
+}
+
 # Libraries imported by the scripts: they only need to import.
 LIBRARIES = {"common.py", "language_task.py", "report.py"}
 
@@ -104,7 +112,8 @@ def _run(args, cwd, extra_env=None):
 
 def test_table_covers_every_script():
     scripts = {path.name for path in BENCHMARKS.glob("*.py")}
-    listed = set(SMOKE) | set(EVERY_BACKEND) | set(JAX_ONLY) | LIBRARIES
+    listed = set(SMOKE) | set(EVERY_BACKEND) | set(JAX_ONLY) | set(HUB)
+    listed |= LIBRARIES
     assert scripts == listed
 
 
@@ -152,6 +161,15 @@ def test_script_runs_on_this_backend(name, tmp_path):
 def test_jax_script_runs_in_tiny_mode(name, tmp_path):
     args, expected = JAX_ONLY[name]
     _smoke(name, args, expected, tmp_path, {"KERAS_BACKEND": "jax"})
+
+
+@pytest.mark.parametrize("name", sorted(HUB))
+def test_hub_script_runs_on_this_backend(name, tmp_path):
+    pytest.importorskip("keras_hub", reason="keras-hub is not installed")
+    args, expected = HUB[name]
+    backend = {"KERAS_BACKEND": keras.backend.backend()}
+    result = _smoke(name, args, expected, tmp_path, backend)
+    assert "LowPrecisionOptimizer(AdamW" in result.stdout
 
 
 @pytest.mark.tensorflow  # common.py imports TensorFlow
