@@ -76,6 +76,10 @@ JAX_ONLY = {
         "held-out loss",
     ),
     "jax_overhead.py": (["--quick", "--models", "mlp"], "bfloat16 speed-up"),
+    "jax_step_memory.py": (
+        ["--quick", "--configurations", "float32,8bit"],
+        "temporaries",
+    ),
     "jax_apply_or_skip.py": (
         "--variables 4 --repeats 1 --steps 2".split(),
         "kmp (cond)",
