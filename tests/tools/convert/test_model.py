@@ -703,3 +703,35 @@ def test_a_bfloat16_copy_with_gradient_clipping_trains(clipping):
     losses = copy.fit(x, y, epochs=3, batch_size=8, verbose=0)
     losses = losses.history["loss"]
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+def _buffer_addresses(model):
+    """The addresses of the model's variable buffers (JAX and torch; a
+    TensorFlow variable always holds a buffer of its own)."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        return {v.value.unsafe_buffer_pointer() for v in model.weights}
+    if backend == "torch":
+        return {v.value.data_ptr() for v in model.weights}
+    return set()
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "float32", "bfloat16"])
+def test_a_copy_shares_no_buffer_and_keeps_the_optimizer(policy):
+    model = _functional()
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05, momentum=0.5),
+        loss="categorical_crossentropy",
+    )
+    copy = convert(model, policy)
+    assert not _buffer_addresses(copy) & _buffer_addresses(model)
+    optimizer = copy.optimizer
+    if policy == "bfloat16":
+        optimizer = optimizer.inner_optimizer
+    assert isinstance(optimizer, keras.optimizers.SGD)
+    assert np.float32(optimizer.learning_rate) == np.float32(0.05)
+    assert optimizer.momentum == 0.5
+    x = np.ones((4, 6), "float32")
+    y = np.eye(3, dtype="float32")[[0, 1, 2, 0]]
+    model.train_on_batch(x, y)  # On JAX a donating step.
+    copy.train_on_batch(x, y)
