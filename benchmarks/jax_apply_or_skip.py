@@ -30,7 +30,6 @@ Keras's code in this process only.
 import argparse
 import contextlib
 import os
-import types
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
@@ -44,8 +43,8 @@ from step_counting import compiled  # noqa: E402
 from step_counting import timing  # noqa: E402
 
 import kmp  # noqa: E402
+from kmp.core.jax import step as jax_step  # noqa: E402
 from kmp.core.step import common  # noqa: E402
-from kmp.core.step import stateless  # noqa: E402
 
 WAYS = ("cond", "where", "fused")
 
@@ -67,8 +66,8 @@ def way(name):
         yield
         return
     with contextlib.ExitStack() as stack:
-        never_traced = types.SimpleNamespace(any_tracer=lambda values: False)
-        stack.enter_context(_patched(stateless, "jax_tracing", never_traced))
+        never_traced = lambda values: False  # noqa: E731
+        stack.enter_context(_patched(jax_step, "any_tracer", never_traced))
         if name == "fused":
             _fuse_the_select(stack)
         yield
@@ -79,15 +78,15 @@ def _fuse_the_select(stack):
     `where(apply, new, old)`; the select after it passes values through."""
     state = {"apply": None, "inner": False}
 
+    original_prepare = common.prepare
+
     def prepare(*args, **kwargs):
-        result = common.prepare(*args, **kwargs)
+        result = original_prepare(*args, **kwargs)
         state["apply"] = result[2]
         return result
 
-    steps = types.SimpleNamespace(**vars(common))
-    steps.prepare = prepare
-    stack.enter_context(_patched(stateless, "steps", steps))
-    stack.enter_context(_patched(stateless, "select", lambda c, t, f: t))
+    stack.enter_context(_patched(common, "prepare", prepare))
+    stack.enter_context(_patched(jax_step, "select", lambda c, t, f: t))
     inner_apply = base_optimizer.BaseOptimizer.stateless_apply
 
     def stateless_apply(self, *args, **kwargs):

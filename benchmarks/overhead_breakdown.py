@@ -36,7 +36,6 @@ from keras.src.optimizers import base_optimizer  # noqa: E402
 
 import kmp  # noqa: E402
 from kmp.core import scaling  # noqa: E402
-from kmp.core.tensorflow import apply as tf_apply  # noqa: E402
 from kmp.core.tensorflow import step as tf_step  # noqa: E402
 from kmp.tools.bench import timing  # noqa: E402
 
@@ -96,7 +95,7 @@ class _Variant(_Replaced):
             predicate = self.dynamic_scale > 0 if finite is None else finite
             tf.cond(predicate, update, lambda: None)
         elif "call" in self.parts:
-            tf_apply.cond_as_one_call(finite, update)
+            tf_step.cond_as_one_call(finite, update)
         else:
             update()
         if finite is not None:
@@ -132,7 +131,7 @@ class _ComputeFirst(_Replaced):
                 if value is not None:
                     variable.assign(value)
 
-        tf_apply.cond_as_one_call(finite, commit)
+        tf_step.cond_as_one_call(finite, commit)
         self.update_state(finite, finite, None, variables)
 
 
@@ -157,14 +156,14 @@ class _Forced(_Replaced):
 
     def step_on_tensorflow(self, grads, variables, scaled):
         names = ("RESTORE_MAX_ELEMENTS", "RESTORE_MAX_MEAN_ELEMENTS")
-        saved = [getattr(tf_apply, name) for name in names]
+        saved = [getattr(tf_step, name) for name in names]
         for name in names:
-            setattr(tf_apply, name, self.limit)
+            setattr(tf_step, name, self.limit)
         try:
             _ORIGINAL_STEP(self, grads, variables, scaled)
         finally:
             for name, value in zip(names, saved):
-                setattr(tf_apply, name, value)
+                setattr(tf_step, name, value)
 
 
 class _ApplyFirst(_Forced):

@@ -26,29 +26,37 @@ LOW_PRECISION_DTYPES = ("float16", "bfloat16")
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
+# Decided once: these checks run on every gradient and variable of a step.
+_TF_VARIABLE = (
+    (backend.tensorflow().Variable,) if backend.is_tensorflow() else ()
+)
+
+
 def is_tensor(value) -> bool:
     """Whether `value` is a backend tensor, a Keras variable or a TF one."""
     if isinstance(value, keras.Variable) or keras.ops.is_tensor(value):
         return True
-    return backend.is_tensorflow() and isinstance(
-        value, backend.tensorflow().Variable
-    )
+    return isinstance(value, _TF_VARIABLE)
 
 
 def is_variable(value) -> bool:
     """Whether `value` is a Keras variable (or, on TensorFlow, a TF one)."""
     if isinstance(value, keras.Variable):
         return True
-    return backend.is_tensorflow() and isinstance(
-        value, backend.tensorflow().Variable
-    )
+    return isinstance(value, _TF_VARIABLE)
+
+
+_INDEXED_SLICES = (
+    (backend.tensorflow().IndexedSlices,) if backend.is_tensorflow() else ()
+)
+_TENSOR_SHAPE = (
+    backend.tensorflow().TensorShape if backend.is_tensorflow() else None
+)
 
 
 def is_indexed_slices(value) -> bool:
     """Whether `value` is a TensorFlow sparse gradient (`tf.IndexedSlices`)."""
-    return backend.is_tensorflow() and isinstance(
-        value, backend.tensorflow().IndexedSlices
-    )
+    return isinstance(value, _INDEXED_SLICES)
 
 
 def dtype_name(value) -> str:
@@ -60,12 +68,10 @@ def shape_text(shape) -> str:
     """`(2, 3)`, or "unknown" for a shape of unknown rank (or None)."""
     if shape is None:
         return "unknown"
-    if backend.is_tensorflow():
-        tf = backend.tensorflow()
-        if isinstance(shape, tf.TensorShape):
-            if shape.rank is None:
-                return "unknown"
-            shape = shape.as_list()
+    if _TENSOR_SHAPE is not None and isinstance(shape, _TENSOR_SHAPE):
+        if shape.rank is None:
+            return "unknown"
+        shape = shape.as_list()
     return str(tuple(None if d is None else int(d) for d in shape))
 
 
@@ -332,7 +338,7 @@ def _checked_gradient(gradient, variable, index: int):
                 ) from None
         values = gradient
         fits = _shapes_compatible(gradient.shape, shape)
-        received = describe(gradient)
+        received = None  # Described only for the error: not on every step.
     if dtype_name(values) not in FLOATING_DTYPES:
         raise TypeError(
             f"{where} must be floating point. Received: {describe(values)}"
@@ -342,16 +348,15 @@ def _checked_gradient(gradient, variable, index: int):
         sparse = " (a tf.IndexedSlices: rows of it)" * backend.is_tensorflow()
         raise ValueError(
             f"{where} must have its variable's shape {shape_text(shape)}"
-            f"{sparse}. Received: {received}"
+            f"{sparse}. Received: {received or describe(gradient)}"
         )
     return gradient
 
 
 def _shapes_compatible(shape, expected) -> bool:
     """Whether a (possibly partly unknown) shape can be `expected`."""
-    if backend.is_tensorflow():
-        tf = backend.tensorflow()
-        return tf.TensorShape(shape).is_compatible_with(expected)
+    if _TENSOR_SHAPE is not None:
+        return _TENSOR_SHAPE(shape).is_compatible_with(expected)
     shape = tuple(shape)
     return len(shape) == len(expected) and all(
         a is None or b is None or int(a) == int(b)

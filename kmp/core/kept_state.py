@@ -9,12 +9,13 @@ training call. When a float16 layer overflows, the moving statistics
 become inf/NaN and the model predicts NaN from then on, while training
 itself goes on. Both forms here put such state back on a skipped step:
 
-* `KeptStates.keep(variables)` (`keep_on_skip`), for stateful steps
+* `keep_on_skip`, through `kmp.core.step.common.KeptStates`, for stateful steps
   (TensorFlow, torch, JAX outside `jax.jit`): entering reads the variables;
   a step of the optimizer inside the block that is skipped writes those
   values back, as part of the step, in the branch that skips it (before a
   persistent-skips "raise"). Nothing is checked again and nothing waits
-  for the device: TensorFlow reads each variable once per step (a
+  for the device. Each backend's step module reads them (`snapshot`):
+  TensorFlow reads each variable once per step (a
   reference, no copy) and, in a graph, writes inside the conditional the
   step already has for a skip (under a merge-call `tf.distribute` strategy,
   in one of its own); JAX keeps references (its arrays never change) and
@@ -32,20 +33,12 @@ that must advance on every call, such as `kmp.testing.OverflowAt`'s, which
 would otherwise repeat its fault on every retry).
 """
 
-import contextlib
-import threading
-
 import keras
 from keras import ops
 
-from kmp.core import backend
 from kmp.core import checks
 from kmp.core import jax_tracing
-from kmp.core.step import stateless
-
-if backend.is_tensorflow():
-    from kmp.core.tensorflow import apply as tf_apply
-
+from kmp.core.step import common
 
 _EXEMPT_ATTRIBUTE = "_kmp_not_kept_on_skip"
 
@@ -64,118 +57,6 @@ def exempt(variable):
 def is_exempt(variable) -> bool:
     """Whether `exempt` marked `variable`."""
     return bool(getattr(variable, _EXEMPT_ATTRIBUTE, False))
-
-
-class _Snapshot:
-    """The values of some variables at one point of a step, and how to
-    write them back."""
-
-    def __init__(self, variables, buffers=None):
-        self._variables = variables
-        if backend.is_tensorflow():
-            self._write_back = tf_apply.snapshot(variables, stacked=False)
-            return
-        self._write_back = None
-        if backend.is_torch():
-            # Keras's torch variables are assigned in place: one
-            # multi-tensor copy into buffers kept from step to step.
-            import torch
-
-            values = [v.value for v in variables]
-            if values:
-                with torch.no_grad():
-                    torch._foreach_copy_(buffers, values)
-            self._values = buffers
-        else:
-            self._values = [v.value for v in variables]
-
-    def restore(self, skipped=None) -> list:
-        """Writes the values back; returns TensorFlow's write ops.
-
-        With `skipped` (a bool scalar tensor, JAX), each variable gets
-        its value back where `skipped` is true and keeps its own
-        otherwise, without reading `skipped` on the host.
-        """
-        if self._write_back is not None:
-            return self._write_back()
-        if backend.is_torch() and self._variables:
-            import torch
-
-            with torch.no_grad():
-                torch._foreach_copy_(
-                    [v.value for v in self._variables], self._values
-                )
-            return []
-        for variable, value in zip(self._variables, self._values):
-            if skipped is not None:
-                value = ops.where(skipped, value, variable.value)
-            variable.assign(value)
-        return []
-
-
-class Restore:
-    """Writes back what the `keep_on_skip` blocks open in one thread read.
-
-    Called as a function (in that thread or, under `tf.distribute`, for
-    its replica); returns TensorFlow's write ops.
-    """
-
-    def __init__(self, snapshots):
-        self._snapshots = tuple(snapshots)
-
-    def __call__(self, skipped=None) -> list:
-        writes = []
-        for snapshot in self._snapshots:  # Oldest first: the newest wins.
-            writes += snapshot.restore(skipped)
-        return writes
-
-
-class KeptStates:
-    """The `keep_on_skip` blocks open on one optimizer, per thread (every
-    `tf.distribute` replica runs in its own)."""
-
-    def __init__(self):
-        self._local = threading.local()
-
-    def _open(self) -> list:
-        open_blocks = getattr(self._local, "open", None)
-        if open_blocks is None:
-            open_blocks = self._local.open = []
-        return open_blocks
-
-    def current(self):
-        """A `Restore` for the blocks open in this thread, or None."""
-        open_blocks = getattr(self._local, "open", None)
-        return Restore(open_blocks) if open_blocks else None
-
-    def _buffers(self, variables) -> list:
-        """torch: a buffer per variable for the snapshot of the block about
-        to open, made once per set of variables and depth of nesting."""
-        if not backend.is_torch():
-            return None
-        import torch
-
-        cache = getattr(self._local, "buffers", None)
-        if cache is None:
-            cache = self._local.buffers = {}
-        key = (len(self._open()), tuple(id(v) for v in variables))
-        values = [v.value for v in variables]
-        buffers = cache.get(key)
-        if buffers is None or any(
-            b.shape != t.shape or b.dtype != t.dtype or b.device != t.device
-            for b, t in zip(buffers, values)
-        ):
-            buffers = cache[key] = [torch.empty_like(t) for t in values]
-        return buffers
-
-    @contextlib.contextmanager
-    def keep(self, variables):
-        snapshot = _Snapshot(variables, self._buffers(variables))
-        self._open().append(snapshot)
-        try:
-            yield
-        finally:
-            self._local.open = [s for s in self._open() if s is not snapshot]
 
 
 def checked_variables(variables, name: str) -> list:
@@ -206,7 +87,7 @@ def checked_variables(variables, name: str) -> list:
 def was_skipped(optimizer, optimizer_variables):
     """A bool scalar: whether the step that returned `optimizer_variables`
     (values of `optimizer.variables`) was skipped."""
-    in_a_row = stateless.value_of(
+    in_a_row = common.value_of(
         optimizer, optimizer_variables, optimizer.consecutive_skips_variable
     )
     return ops.not_equal(in_a_row, 0)
@@ -297,12 +178,12 @@ class KeepOnSkipMixin:
         (0.0, 1)
         """
         variables = checked_variables(variables, "variables")
-        if backend.is_jax():
-            jax_tracing.check_not_traced(
-                "keep_on_skip()",
-                "optimizer.stateless_keep_on_skip(optimizer_variables, "
-                "values_before, values_after) after stateless_apply",
-            )
+        # Only JAX traces (Keras's test is False on the other backends).
+        jax_tracing.check_not_traced(
+            "keep_on_skip()",
+            "optimizer.stateless_keep_on_skip(optimizer_variables, "
+            "values_before, values_after) after stateless_apply",
+        )
         return self._kept_states.keep(variables)
 
     def stateless_keep_on_skip(

@@ -9,8 +9,9 @@ returns (`kmp.core.loss_scale`). The class holds the variables and reads
 like Keras's own; beside it are the checks of its arguments
 (`optimizer_arguments`), its state (`optimizer_state`), the scaling calls
 (`optimizer_scaling`), the state a skipped step puts back (`kept_state`),
-and each backend's step (`kmp.core.step`: `tensorflow`, `torch`,
-`stateless` for JAX).
+and each backend's whole step (`kmp.core.tensorflow.step`,
+`kmp.core.jax.step`, `kmp.core.torch.step`: the same names on each, picked
+once, here), over what they share (`kmp.core.step`).
 """
 
 from typing import Optional
@@ -31,23 +32,15 @@ from kmp.core.optimizer_state import PersistentSkipsWarning
 from kmp.core.optimizer_state import StateMixin
 from kmp.core.optimizer_state import read_value
 from kmp.core.step import common as steps
-from kmp.core.step import stateless
 
-# The one place the step's backend is picked (and `unscale_gradients`,
-# `agree` and `choose`, which `stateless_apply` takes on torch).
-_STATELESS_HOOKS = {}
-if backend.is_torch():
-    from kmp.core.torch import distributed as torch_distributed
-    from kmp.core.torch import step as torch_step
-
-    _STATELESS_HOOKS = {
-        "unscale": torch_step.unscale_gradients,
-        "agree": torch_distributed.agree,
-        "choose": torch_step.choose,
-    }
+# This backend's step (`apply`, `stateless_apply`, `snapshot` and the
+# strategy checks): the one place `LossScaleOptimizer` picks a backend.
 if backend.is_tensorflow():
-    from kmp.core.tensorflow import apply as tf_apply
-    from kmp.core.tensorflow import step as tf_step
+    from kmp.core.tensorflow import step as _step
+elif backend.is_jax():
+    from kmp.core.jax import step as _step
+else:
+    from kmp.core.torch import step as _step
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 _KerasOptimizer = keras.optimizers.Optimizer
@@ -205,8 +198,7 @@ class LossScaleOptimizer(
         ) = arguments.checked_skip_options(
             max_consecutive_skips, on_persistent_skips, record_nonfinite
         )
-        if backend.is_tensorflow():
-            tf_apply.check_strategy()
+        _step.check_strategy()
         # Keras's LossScaleOptimizer is the base class so that Keras treats
         # this one as a loss-scale optimizer (compile does not wrap it
         # again); its constructor mutates the inner optimizer, so it is
@@ -227,7 +219,7 @@ class LossScaleOptimizer(
         self._record_nonfinite = record_nonfinite
         self._warned_persistent_skips = False
         self._recipes = recipes.Recipes()
-        self._kept_states = kept_state.KeptStates()
+        self._kept_states = steps.KeptStates(_step.snapshot)
         self.nonfinite_mask = None
         process_settings.check_jax_processes(self)
         self._create_state_variables()
@@ -423,8 +415,7 @@ class LossScaleOptimizer(
         grads = checks.checked_gradients(grads, trainable_variables)
         if not grads:
             return  # As Keras: no gradients, no step.
-        if backend.is_tensorflow():
-            tf_apply.check_replica_context()
+        _step.check_replica_context()
         if not self.built:
             with _name_scope(self):
                 self.build(trainable_variables)
@@ -434,16 +425,7 @@ class LossScaleOptimizer(
         grads = steps.raw_overwrite_gradients(self, grads, trainable_variables)
         self._recipes.applied()
         with _name_scope(self):
-            if backend.is_tensorflow():
-                tf_step.apply(
-                    self, grads, trainable_variables, scaled, aggregate
-                )
-            elif backend.is_jax():
-                stateless.apply_to_variables(
-                    self, grads, trainable_variables, scaled
-                )
-            else:
-                torch_step.apply(self, grads, trainable_variables, scaled)
+            _step.apply(self, grads, trainable_variables, scaled, aggregate)
 
     def stateless_apply(
         self, optimizer_variables, grads, trainable_variables, *, scaled=None
@@ -461,13 +443,8 @@ class LossScaleOptimizer(
         Returns:
             `(new trainable variable values, new optimizer variable values)`.
         """
-        return stateless.apply(
-            self,
-            optimizer_variables,
-            grads,
-            trainable_variables,
-            scaled,
-            **_STATELESS_HOOKS,
+        return _step.stateless_apply(
+            self, optimizer_variables, grads, trainable_variables, scaled
         )
 
     def finalize_variable_values(self, var_list):

@@ -22,7 +22,7 @@ from kmp.core import jax_tracing
 from kmp.core import optimizer_arguments as arguments
 from kmp.core import recipes
 from kmp.core import scaling
-from kmp.core.step import stateless
+from kmp.core.step import common
 
 # Torch's multi-tensor division where it applies; elsewhere one op per
 # gradient.
@@ -135,9 +135,7 @@ class ScalingMixin:
         >>> float(opt.stateless_scale_loss(values, 0.5))
         2.0
         """
-        scaled = self._scaled(
-            loss, stateless.scale_of(self, optimizer_variables)
-        )
+        scaled = self._scaled(loss, common.scale_of(self, optimizer_variables))
         self._recipes.scale_called(recipes.SCALED)
         return scaled
 
@@ -158,7 +156,7 @@ class ScalingMixin:
             TypeError: `grads` is not an iterable of gradients.
         """
         grads = arguments.checked_gradient_list(grads, "grads")
-        scale = stateless.scale_of(self, optimizer_variables)
+        scale = common.scale_of(self, optimizer_variables)
         unscaled = _unscale(grads, scale)
         self._recipes.unscale_called(grads, unscaled)
         return unscaled

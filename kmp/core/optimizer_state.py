@@ -30,6 +30,7 @@ from keras import ops
 from keras.src.saving.keras_saveable import KerasSaveable
 
 from kmp.core import backend
+from kmp.core.step import common
 from kmp.core.step import lagged
 
 if backend.is_tensorflow():
@@ -130,7 +131,8 @@ class StateMixin:
         """Assigns the counters, the mask and the rule's new scale.
 
         Works on variables and, inside a Keras `StatelessScope`, on the
-        values it maps them to.
+        values it maps them to (`kmp.core.step.common.update_state`, which
+        torch's step calls with its in-place operations).
 
         Args:
             finite: Whether the step's gradients were all finite.
@@ -141,35 +143,14 @@ class StateMixin:
         Returns:
             The new count of skips in a row.
         """
-        count_dtype = self.consecutive_skips_variable.dtype
-        skipped = ops.cast(ops.logical_not(apply_ok), count_dtype)
-        self.skipped_steps_variable.assign(
-            self.skipped_steps_variable + skipped
+        return common.update_state(
+            self,
+            finite,
+            apply_ok,
+            per_gradient,
+            variables,
+            xp=common.KerasOps,
         )
-        in_a_row = (self.consecutive_skips_variable + skipped) * skipped
-        self.consecutive_skips_variable.assign(in_a_row)
-        if per_gradient is not None and self.nonfinite_mask is not None:
-            position = {id(v): i for i, v in enumerate(variables)}
-            bad = [
-                ops.logical_not(per_gradient[position[id(v)]])
-                if id(v) in position
-                else ops.convert_to_tensor(False)
-                for v in self._trainable_variables
-            ]
-            self.nonfinite_mask.assign(
-                ops.where(apply_ok, self.nonfinite_mask.value, ops.stack(bad))
-            )
-        if self._dynamic:
-            scale, counter, hysteresis = self._rule.next(
-                (self.dynamic_scale, self.step_counter, self.hysteresis_left),
-                finite,
-            )
-            self.dynamic_scale.assign(scale)
-            self.step_counter.assign(ops.cast(counter, self.step_counter.dtype))
-            self.hysteresis_left.assign(
-                ops.cast(hysteresis, self.hysteresis_left.dtype)
-            )
-        return in_a_row
 
     # --- Persistent skips ---------------------------------------------------
 

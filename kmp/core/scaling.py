@@ -95,9 +95,15 @@ def _quick_sum(gradients) -> object:
     return sums[0] if len(sums) == 1 else _add_n(sums)
 
 
+# Decided once (both run on every step): TensorFlow's one op for a sum of
+# many tensors, and whether a quick sum decides first (see `all_finite`).
+_TF_ADD_N = backend.tensorflow().add_n if backend.is_tensorflow() else None
+_QUICK_SUM_FIRST = backend.is_tensorflow()
+
+
 def _add_n(tensors):
-    if backend.is_tensorflow():
-        return backend.tensorflow().add_n(tensors)
+    if _TF_ADD_N is not None:
+        return _TF_ADD_N(tensors)
     total = tensors[0]
     for tensor in tensors[1:]:
         total = ops.add(total, tensor)
@@ -121,7 +127,7 @@ def all_finite(gradients: Iterable):
     present = [_values(g) for g in gradients if g is not None]
     if not present:
         return ops.convert_to_tensor(True)
-    if not backend.is_tensorflow():
+    if not _QUICK_SUM_FIRST:
         # No conditional: on a GPU, XLA's (and torch's Python `if`) waits
         # for the device. XLA fuses the per-gradient checks (as Flax's
         # DynamicScale, which selects with jnp.where for the same reason).

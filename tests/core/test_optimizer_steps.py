@@ -148,7 +148,7 @@ def test_fit_skips_a_nan_batch_within_steps_per_execution():
 # --- Persistent skips ---------------------------------------------------------
 
 # In a tf.function the inner update is applied first and undone on a skip
-# ("first"), or applied in a cond ("in_cond"); see kmp.core.tensorflow.apply. A
+# ("first"), or applied in a cond ("in_cond"); see kmp.core.tensorflow.step. A
 # jitted JAX step reports from the host: tests/core/test_jax.py.
 SKIP_PATHS = [
     "eager",
@@ -159,9 +159,9 @@ SKIP_PATHS = [
 
 def _skip_stepper(optimizer, path, monkeypatch):
     if path == "in_cond":
-        from kmp.core.tensorflow import apply as tf_apply
+        from kmp.core.tensorflow import step as tf_step
 
-        monkeypatch.setattr(tf_apply, "RESTORE_MAX_ELEMENTS", 0)
+        monkeypatch.setattr(tf_step, "RESTORE_MAX_ELEMENTS", 0)
     variable = keras.Variable([1.0])
 
     def step(value):

@@ -9,12 +9,6 @@ reference bit for bit and skips a non-finite step exactly; a `.keras` file
 keeps the scale and counter.
 """
 
-import os
-import pathlib
-import re
-import subprocess
-import sys
-
 import keras
 import numpy as np
 import pytest
@@ -156,63 +150,3 @@ def test_custom_loop_skips_a_non_finite_step_exactly(recipe):
     assert training.optimizer_state(optimizer) == (4.0, 1, 2, 4)
     for variable in model.trainable_variables:
         assert torch.isfinite(variable.value).all()
-
-
-# --- Saving -------------------------------------------------------------------
-
-
-def test_keras_file_keeps_the_scale_and_counter(tmp_path):
-    model = training.model()
-    model.compile(
-        optimizer=kmp.LossScaleOptimizer(
-            keras.optimizers.Adam(0.01),
-            initial_scale=64,
-            dynamic_growth_steps=3,
-        ),
-        loss="mse",
-    )
-    x, y = training.nan_batches({2}, batches=6)
-    model.fit(x, y, batch_size=BATCH_SIZE, shuffle=False, verbose=0)
-    state = training.optimizer_state(model.optimizer)
-    assert state == (64.0, 0, 1, 5)  # 2 finite, a skip: 32, 3 finite: 64.
-    path = str(tmp_path / "model.keras")
-    model.save(path)
-
-    loaded = training.load_model_without_skipping(path)
-    assert isinstance(loaded.optimizer, kmp.LossScaleOptimizer)
-    assert training.optimizer_state(loaded.optimizer) == state
-    training.assert_weights_equal(
-        training.values(loaded.optimizer.variables),
-        training.values(model.optimizer.variables),
-    )
-    # Both go on alike: two more finite steps.
-    for trained in (model, loaded):
-        trained.fit(
-            x[:16], y[:16], batch_size=BATCH_SIZE, shuffle=False, verbose=0
-        )
-    assert training.optimizer_state(loaded.optimizer) == (64.0, 2, 1, 7)
-    training.assert_weights_equal(loaded.get_weights(), model.get_weights())
-
-
-EXAMPLES = pathlib.Path(__file__).parents[2] / "examples"
-
-
-def test_the_example_loop_trains_without_skipping():
-    """The training page's torch loop, examples/torch_custom_loop.py, runs."""
-    script = EXAMPLES / "torch_custom_loop.py"
-    env = dict(os.environ, KMP_EXAMPLE_SMALL="1", KERAS_BACKEND="torch")
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    out = result.stdout
-    assert "compute dtype: float16" in out
-    first, last = map(
-        float, re.search(r"loss went from ([\d.]+) to ([\d.]+)", out).groups()
-    )
-    assert last < first
-    assert "skipped steps: 0" in out and "loss scale: 32768" in out

@@ -1,5 +1,7 @@
-"""kmp's core on JAX: the pieces of a step that only JAX has.
+"""kmp's core on JAX: each piece of a step that only JAX has.
 
-Imported on the JAX backend only (by `kmp.core.low_precision`); JAX's
-`LossScaleOptimizer` step is the pure step of `kmp.core.step.stateless`.
+`step` (one `LossScaleOptimizer` step: the pure step in a `lax.cond` when
+traced, a select when run eagerly), `low_precision` and `rounding` (the
+`LowPrecisionOptimizer` step and its random stream). Imported on the JAX
+backend only, by the public classes of `kmp.core`.
 """

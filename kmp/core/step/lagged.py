@@ -22,10 +22,9 @@ optimizer, whose step reads nothing: its numbers come as a `HostCopy`.
 """
 
 import collections
+import sys
 
 import numpy as np
-
-from kmp.core import backend
 
 # Steps between a step and the check that reads its numbers. With 1, the
 # check after step k waits for step k - 1 while step k is queued: the
@@ -54,7 +53,7 @@ _jitted_pack = None
 def _pack_outside_trace(in_a_row, scale):
     """`pack` as one dispatch on JAX (a new buffer), or eagerly."""
     global _jitted_pack
-    if backend.is_jax():
+    if is_jax_array(in_a_row):
         if _jitted_pack is None:
             import jax
 
@@ -65,10 +64,9 @@ def _pack_outside_trace(in_a_row, scale):
 
 def is_jax_array(value) -> bool:
     """Whether `value` is a concrete JAX array (not a tracer, not NumPy)."""
-    if not backend.is_jax():
+    jax = sys.modules.get("jax")  # Not imported: no JAX array either.
+    if jax is None:
         return False
-    import jax
-
     return isinstance(value, jax.Array) and not isinstance(
         value, jax.core.Tracer
     )

@@ -68,9 +68,38 @@ def unscale(grads, scale, keep=()):
     return result
 
 
+def stateless_apply(
+    optimizer, optimizer_variables, grads, trainable_variables, scaled
+):
+    """See `LossScaleOptimizer.stateless_apply`: the pure step of
+    `kmp.core.step.common.stateless_apply`, with torch's unscale, agreement and
+    `choose`."""
+    new_trainable, new_values, in_a_row, scale = common.stateless_apply(
+        optimizer,
+        optimizer_variables,
+        grads,
+        trainable_variables,
+        scaled,
+        choose,
+        unscale=unscale_gradients,
+        agree=agree,
+    )
+    common.report(optimizer, in_a_row, scale)
+    return new_trainable, new_values
+
+
+def agree(finite, apply_ok, per_gradient, optimizer):
+    """The flags agreed across processes (`kmp.core.torch.distributed`)
+    where `agree_across_processes` was called on `optimizer`; else as
+    they are, without leaving this module."""
+    if getattr(optimizer, "_process_agreement", None) is None:
+        return finite, apply_ok, per_gradient
+    return distributed.agree(finite, apply_ok, per_gradient, optimizer)
+
+
 def choose(apply_ok, applied, skipped):
-    """How `stateless_apply` applies or skips on torch
-    (`kmp.core.step.stateless.apply`'s `choose`): Keras's torch optimizers
+    """How `stateless_apply` applies or skips on torch (`choose` of
+    `kmp.core.step.common.stateless_apply`): Keras's torch optimizers
     update the values they are given in place, also in a StatelessScope,
     so the step is decided first (its one read of the device, as
     `apply`'s)."""
@@ -106,8 +135,9 @@ def _per_gradient(grads, flags):
     return [true if g is None else next(values) for g in grads]
 
 
-def apply(optimizer, grads, variables, scaled: bool) -> None:
-    """A whole step on torch; see the module docstring."""
+def apply(optimizer, grads, variables, scaled: bool, aggregate=True) -> None:
+    """A whole step on torch; see the module docstring. (`aggregate` is
+    TensorFlow's: torch's gradients are summed by `torch.distributed`.)"""
     if can_fuse(optimizer, grads, variables):
         apply_fused(optimizer, grads, variables, scaled)
         return
@@ -132,7 +162,7 @@ def apply(optimizer, grads, variables, scaled: bool) -> None:
             apply_ok = torch.logical_and(finite, torch.isfinite(rate).all())
         elif not checks.is_finite_number(rate):
             apply_ok = torch.zeros_like(finite)
-    finite, apply_ok, per_gradient = distributed.agree(
+    finite, apply_ok, per_gradient = agree(
         finite, apply_ok, per_gradient, optimizer
     )
     in_a_row_before = optimizer.consecutive_skips_variable.value
@@ -145,7 +175,12 @@ def apply(optimizer, grads, variables, scaled: bool) -> None:
     else:
         common.restore_kept_state(optimizer)
         in_a_row = in_a_row_before + 1
-    update_state(optimizer, finite, bool(applied), per_gradient, variables)
+    with torch.no_grad():
+        # Known on the host: an applied step is finite (a skipped one may
+        # be too, with a NaN learning rate).
+        common.update_state(
+            optimizer, finite, bool(applied), per_gradient, variables, TorchOps
+        )
     if in_a_row and optimizer._max_consecutive_skips is not None:
         if in_a_row >= optimizer._max_consecutive_skips:
             optimizer.report_persistent_skips(
@@ -194,7 +229,7 @@ def apply_fused(optimizer, grads, variables, scaled: bool) -> None:
         apply_ok = torch.logical_and(finite, torch.isfinite(rate).all())
     elif not checks.is_finite_number(rate):
         apply_ok = torch.zeros_like(finite)
-    finite, apply_ok, _ = distributed.agree(finite, apply_ok, None, optimizer)
+    finite, apply_ok, _ = agree(finite, apply_ok, None, optimizer)
     found_inf = torch.logical_not(apply_ok).to(torch.float32)
     inner = optimizer.inner_optimizer
     scale = optimizer.dynamic_scale.value
@@ -205,15 +240,47 @@ def apply_fused(optimizer, grads, variables, scaled: bool) -> None:
         found_inf=found_inf,
     )
     fused.increment_iterations(inner, found_inf)
-    skipped = torch.logical_not(apply_ok)
-    optimizer.skipped_steps_variable.value.add_(skipped)
-    in_a_row = optimizer.consecutive_skips_variable.value
-    in_a_row.add_(1).mul_(skipped)
-    if optimizer.dynamic:
-        _next_scale(optimizer, finite)
+    in_a_row = common.update_state(
+        optimizer, finite, apply_ok, None, variables, TorchOps
+    )
     if optimizer._max_consecutive_skips is not None:
         packed = lagged.pack(in_a_row, optimizer.dynamic_scale.value)
         optimizer._check_persistent_skips_packed(HostCopy(packed))
+
+
+def snapshot(variables, buffers):
+    """What `keep_on_skip` keeps of `variables` on torch, whose variables
+    are assigned in place: one multi-tensor copy into buffers kept from
+    step to step (in `buffers`, a dict per thread and depth of nesting,
+    made once per set of variables). Returns `restore(skipped=None)`,
+    which copies them back and returns no ops."""
+    values = [v.value for v in variables]
+    key = tuple(id(v) for v in variables)
+    kept = buffers.get(key)
+    if kept is None or any(
+        b.shape != t.shape or b.dtype != t.dtype or b.device != t.device
+        for b, t in zip(kept, values)
+    ):
+        kept = buffers[key] = [torch.empty_like(t) for t in values]
+    if values:
+        with torch.no_grad():
+            torch._foreach_copy_(kept, values)
+
+    def restore(skipped=None) -> list:
+        if variables:
+            with torch.no_grad():
+                torch._foreach_copy_([v.value for v in variables], kept)
+        return []
+
+    return restore
+
+
+def check_strategy() -> None:
+    """Nothing to check (TensorFlow's `tf.distribute` strategies)."""
+
+
+def check_replica_context() -> None:
+    """Nothing to check (TensorFlow's `tf.distribute` replica contexts)."""
 
 
 class HostCopy:
@@ -245,61 +312,65 @@ class HostCopy:
         return self._tensor
 
 
-@torch.no_grad()
-def update_state(optimizer, finite, applied: bool, per_gradient, variables):
-    """`StateMixin.update_state` in place on the device, knowing in Python
-    whether the step was applied (read already) but not whether it was
-    finite (a step with a NaN learning rate is skipped, yet finite)."""
-    if applied:
-        optimizer.consecutive_skips_variable.value.zero_()
-    else:
-        optimizer.skipped_steps_variable.value.add_(1)
-        optimizer.consecutive_skips_variable.value.add_(1)
-        if per_gradient is not None and optimizer.nonfinite_mask is not None:
-            position = {id(v): i for i, v in enumerate(variables)}
-            false = torch.zeros((), dtype=torch.bool, device=finite.device)
-            bad = [
-                torch.logical_not(per_gradient[position[id(v)]])
-                if id(v) in position
-                else false
-                for v in optimizer._trainable_variables
-            ]
-            optimizer.nonfinite_mask.value.copy_(torch.stack(bad))
-    if not optimizer.dynamic:
-        return
-    # The rule of kmp.core.loss_scale, in place: an applied step is finite,
-    # which the host knows (read already); a skipped one may be too (a NaN
-    # learning rate).
-    _next_scale(optimizer, True if applied else finite)
-
-
-def _next_scale(optimizer, finite) -> None:
-    """Assigns `ScaleRule.next` of the state in place (`finite`: a bool or
-    a bool 0-d tensor)."""
-    scale = optimizer.dynamic_scale.value
-    counter = optimizer.step_counter.value
-    hysteresis_left = optimizer.hysteresis_left.value
-    new = optimizer.rule.next(
-        (scale, counter, hysteresis_left), finite, xp=TorchOps
-    )
-    for variable, value in zip((scale, counter, hysteresis_left), new):
-        variable.copy_(value)
-
-
 class TorchOps:
-    """The operations `ScaleRule.next` takes, in torch: its Python numbers
-    are kernel arguments (`scale * factor`, `clamp_min`), nothing is
-    uploaded; the state is the variables' tensors as they are."""
+    """The operations `ScaleRule.next` and `kmp.core.step.common.
+    update_state` take, in torch, in place: Python numbers are kernel
+    arguments (`scale * factor`, `clamp_min`), nothing is uploaded; the
+    state is the variables' tensors as they are. A flag the host knows (a
+    Python bool) costs no kernel: adding 0 or multiplying by 1 is nothing,
+    multiplying by 0 a `zero_`."""
 
-    where = staticmethod(torch.where)
     logical_and = staticmethod(torch.logical_and)
     logical_or = staticmethod(torch.logical_or)
     logical_not = staticmethod(torch.logical_not)
     maximum = staticmethod(torch.clamp_min)
     full_like = staticmethod(torch.full_like)
     zeros_like = staticmethod(torch.zeros_like)
+    stack = staticmethod(torch.stack)
 
     @staticmethod
     def prepare(state, finite):
         scale, counter, hysteresis_left = state
         return scale, counter, hysteresis_left, finite
+
+    @staticmethod
+    def where(condition, when_true, when_false):
+        if isinstance(condition, bool):
+            return when_true if condition else when_false
+        return torch.where(condition, when_true, when_false)
+
+    @staticmethod
+    def read(variable):
+        return variable.value
+
+    @staticmethod
+    def assign(variable, value):
+        target = variable.value
+        if value is not target:
+            target.copy_(value)
+
+    @staticmethod
+    def cast(value, dtype):
+        return value  # `assign`'s copy_ casts.
+
+    @staticmethod
+    def skipped(apply_ok, dtype):
+        if isinstance(apply_ok, bool):
+            return 0 if apply_ok else 1
+        return torch.logical_not(apply_ok)
+
+    @staticmethod
+    def add(tensor, amount):
+        if isinstance(amount, int) and amount == 0:
+            return tensor
+        return tensor.add_(amount)
+
+    @staticmethod
+    def multiply(tensor, factor):
+        if isinstance(factor, int):
+            return tensor if factor == 1 else tensor.zero_()
+        return tensor.mul_(factor)
+
+    @staticmethod
+    def false(like):
+        return torch.zeros((), dtype=torch.bool, device=like.device)

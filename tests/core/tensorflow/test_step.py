@@ -1,4 +1,4 @@
-"""Tests for kmp.core.tensorflow.apply: how a step is applied on TensorFlow.
+"""Tests for kmp.core.tensorflow.step: how a step is applied on TensorFlow.
 
 For Keras's own optimizers on small models in a tf.function, the inner update
 is applied at once and the state read just before it is written back if the
@@ -21,7 +21,7 @@ import tensorflow as tf  # noqa: E402
 
 import kmp  # noqa: E402
 from kmp import LossScaleOptimizer  # noqa: E402
-from kmp.core.tensorflow import apply as tf_apply  # noqa: E402
+from kmp.core.tensorflow import step as tf_step  # noqa: E402
 from tests.support.training import INF  # noqa: E402
 from tests.support.training import NAN  # noqa: E402
 
@@ -120,7 +120,7 @@ def test_update_matches_inner_optimizer_and_skips_exactly(
     optimizer_name, apply_first, mode, monkeypatch
 ):
     if not apply_first:
-        monkeypatch.setattr(tf_apply, "RESTORE_MAX_ELEMENTS", 0)
+        monkeypatch.setattr(tf_step, "RESTORE_MAX_ELEMENTS", 0)
     plain = INNER_OPTIMIZERS[optimizer_name]()
     plain_variables = _update_variables()
     scaled = LossScaleOptimizer(
@@ -201,12 +201,12 @@ def test_apply_first_handles_variables_of_any_float_dtype(dtype):
 
 
 def test_which_updates_are_applied_before_the_check():
-    # What kmp.core.tensorflow.step passes: Keras's own optimizers and
+    # What kmp.core.tensorflow.step.apply passes: Keras's own optimizers and
     # kmp.FusedAdam.
-    restorable = tf_apply.restorable_types(extra=(kmp.FusedAdam,))
+    restorable = tf_step.restorable_types(extra=(kmp.FusedAdam,))
 
     def decide(inner, grads, variables):
-        return tf_apply.can_apply_then_restore(
+        return tf_step.can_apply_then_restore(
             inner, grads, variables, restorable
         )
 
@@ -259,7 +259,7 @@ def test_true_on_every_replica_ands_each_flag_across_replicas(
         index = tf.distribute.get_replica_context().replica_id_in_sync_group
         finite = tf.not_equal(index, 1)
         per_gradient = [tf.constant(True), tf.equal(index, 0)]
-        finite, apply_ok, per_gradient = tf_apply.true_on_every_replica(
+        finite, apply_ok, per_gradient = tf_step.true_on_every_replica(
             finite, tf.constant(True), per_gradient if record else None
         )
         if not record:

@@ -1,0 +1,129 @@
+"""One `LossScaleOptimizer` step on JAX: `stateless_apply`, `apply`, and
+what `keep_on_skip` keeps.
+
+The step is pure (`kmp.core.step.common.stateless_apply`): in a trace
+(`jax.jit`: `fit`'s compiled step, a jitted loop) the inner optimizer's
+`stateless_apply` runs in one branch of a `lax.cond` on the finite check,
+and the other branch returns the values it was given (as Keras's own
+`LossScaleOptimizer`): a skipped step leaves weights, slots and
+`iterations` exactly as they were, XLA still updates donated buffers in
+place, and the update is compiled as the bare optimizer's. (A `jnp.where`
+of new against old values, as Flax's `DynamicScale`, keeps both alive: XLA
+then copies every weight and slot each step, 1.5-3x the step time of Adam
+alone on 202 small variables on a CPU; `benchmarks/README.md`.) Run
+eagerly (no trace), the update runs op by op as the inner optimizer's own
+and each value is then selected on the device, without reading the finite
+check on the host. The stateful `apply` is that step on the variables'
+values, assigned after. A traced step's persistent-skips report is left to
+`check_persistent_skips` on its results (`kmp.core.step.lagged`).
+"""
+
+import jax
+import keras
+from keras import ops
+from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+from kmp.core.step import common
+
+
+def stateless_apply(
+    optimizer, optimizer_variables, grads, trainable_variables, scaled
+):
+    """See `LossScaleOptimizer.stateless_apply`."""
+    new_trainable, new_values, in_a_row, scale = common.stateless_apply(
+        optimizer,
+        optimizer_variables,
+        grads,
+        trainable_variables,
+        scaled,
+        choose,
+    )
+    if not isinstance(in_a_row, jax.core.Tracer):
+        common.report(optimizer, in_a_row, scale)
+    return new_trainable, new_values
+
+
+def apply(optimizer, grads, variables, scaled, aggregate=True):
+    """A stateful step (an eager `apply`): the pure step on the variables'
+    values, whose results are then assigned. (`aggregate` is TensorFlow's;
+    nothing is summed here.)"""
+    if in_stateless_scope():
+        raise RuntimeError(
+            "On JAX, call stateless_apply(optimizer_variables, grads, "
+            "trainable_variables) inside a stateless function, not apply."
+        )
+    trained = list(optimizer._trainable_variables)
+    positions = {id(v): i for i, v in enumerate(trained)}
+    all_grads = [None] * len(trained)
+    for gradient, variable in zip(grads, variables):
+        all_grads[positions[id(variable)]] = gradient
+    new_trained, new_optimizer, _, _ = common.stateless_apply(
+        optimizer,
+        [v.value for v in optimizer.variables],
+        all_grads,
+        [v.value for v in trained],
+        scaled,
+        choose,
+    )
+    for variable, value in zip(trained, new_trained):
+        variable.assign(value)
+    for variable, value in zip(optimizer.variables, new_optimizer):
+        variable.assign(value)
+    restore = optimizer._kept_states.current()
+    if restore is not None:
+        # Selected on the device: the values kept where the step skipped.
+        restore(ops.not_equal(optimizer.consecutive_skips_variable.value, 0))
+    optimizer.report_persistent_skips_now()
+
+
+def choose(apply_ok, applied, skipped):
+    """JAX's way to apply or skip (`kmp.core.step.common.stateless_apply`'s)."""
+    if any_tracer([apply_ok]):
+        # Traced (jax.jit, fit): the inner update in a branch of its own.
+        return ops.cond(apply_ok, applied, skipped)
+    # Run eagerly, op by op, as the inner optimizer's own; then chosen on
+    # the device, without a read (a cond would compile the update).
+    return select(apply_ok, applied(), skipped())
+
+
+def any_tracer(values) -> bool:
+    """Whether any of `values` is being traced by JAX (jit, grad, ...)."""
+    return any(isinstance(v, jax.core.Tracer) for v in values)
+
+
+def select(condition, when_true, when_false):
+    """Of two structures of values alike, each leaf from `when_true` where
+    the bool scalar `condition` is true, else from `when_false`; a leaf
+    that is the same object in both is passed through."""
+    flat_true = keras.tree.flatten(when_true)
+    flat_false = keras.tree.flatten(when_false)
+    chosen = [
+        a if a is b else ops.where(condition, a, b)
+        for a, b in zip(flat_true, flat_false)
+    ]
+    return keras.tree.pack_sequence_as(when_true, chosen)
+
+
+def snapshot(variables, buffers=None):
+    """What `keep_on_skip` keeps of `variables` on JAX: their arrays (which
+    never change), by reference. Returns `restore(skipped=None)`, which
+    writes them back (where `skipped`, a bool scalar, is true, selected on
+    the device without a read) and returns no ops. `buffers` is torch's."""
+    values = [v.value for v in variables]
+
+    def restore(skipped=None) -> list:
+        for variable, value in zip(variables, values):
+            if skipped is not None:
+                value = ops.where(skipped, value, variable.value)
+            variable.assign(value)
+        return []
+
+    return restore
+
+
+def check_strategy() -> None:
+    """Nothing to check (TensorFlow's `tf.distribute` strategies)."""
+
+
+def check_replica_context() -> None:
+    """Nothing to check (TensorFlow's `tf.distribute` replica contexts)."""
