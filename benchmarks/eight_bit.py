@@ -41,6 +41,9 @@ torch file.
                                                   # one model, into the file
     python benchmarks/eight_bit.py --models "" --no-torchao --merge
                                                   # the memory processes only
+    python benchmarks/eight_bit.py --update-timing  # torch: kmp's low-bit
+                                                  # AdamW vs torchao's, step
+                                                  # and update alone
     python benchmarks/eight_bit.py --parts-timing # the MLP's step in parts
                                                   # and whole (kmp.core.parts)
     python benchmarks/eight_bit.py --summary      # the docs' table, from
@@ -961,6 +964,19 @@ def main(argv=None):
         help="on torch: rerun only the side by side with torchao and "
         "bitsandbytes, into the backend's existing file",
     )
+    parser.add_argument(
+        "--update-timing",
+        action="store_true",
+        help="on torch: kmp's low-bit AdamW against torchao's, step and "
+        "update alone, interleaved rounds (torch_update_timing.py), into "
+        "the backend's existing file",
+    )
+    parser.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="with --update-timing: kmp's eager update (KMP_TORCH_COMPILE=0)",
+    )
     args = parser.parse_args(argv)
     if args.memory_child:
         memory_child(args.memory_child, args.quick)
@@ -973,6 +989,22 @@ def main(argv=None):
         )
         path.write_text(json.dumps(document, indent=1) + "\n")
         print(f"Wrote {path}")
+    elif args.update_timing:
+        import torch_update_timing
+
+        path = pathlib.Path(args.output or RESULTS / "eight_bit" / "torch.json")
+        rows = torch_update_timing.update_timing(
+            args.quick, kmp_compile=args.compile
+        )
+        if path.exists():
+            document = json.loads(path.read_text())
+            key = "update_timing" if args.compile else "update_timing_eager"
+            document[key] = rows
+            document[f"{key}_command"] = " ".join(
+                ["python", "benchmarks/eight_bit.py"] + sys.argv[1:]
+            )
+            path.write_text(json.dumps(document, indent=1) + "\n")
+            print(f"Wrote {path}")
     elif args.parts_timing:
         path = pathlib.Path(
             args.output or RESULTS / "eight_bit" / f"{_backend_name()}.json"

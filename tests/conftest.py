@@ -18,6 +18,11 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+# torch: LowPrecisionOptimizer's compiled Adam update (kmp.core.torch.
+# compiled) costs seconds of compiling per variable shape; the suite's
+# tests run the eager update, the same arithmetic, except
+# tests/core/test_torch_compiled_update.py, which turns it on.
+os.environ.setdefault("KMP_TORCH_COMPILE", "0")
 
 import keras  # noqa: E402
 import pytest  # noqa: E402

@@ -43,9 +43,12 @@ package: on TensorFlow (`kmp.core.tensorflow.low_precision`)
 `tf.distribute`'s per-replica updates, and XLA for variables of 2**16
 elements or more, so no float32 temporaries are made at all; on torch
 (`kmp.core.torch.low_precision`) Keras's fused (`torch._foreach`) update
-where no variable needs rounding; on JAX (`kmp.core.jax.low_precision`)
-nothing more. On all three, large variables with quantized slots are updated
-in parts, which bounds the temporaries (`kmp.core.parts`).
+where no variable needs rounding, and Adam's and AdamW's update of each
+variable compiled with `torch.compile` (`kmp.core.torch.compiled`; the
+environment variable `KMP_TORCH_COMPILE=0` keeps it eager); on JAX
+(`kmp.core.jax.low_precision`) nothing more. On all three, large variables
+with quantized slots are updated in parts, which bounds the temporaries
+(`kmp.core.parts`).
 On JAX the whole update is pure, so `stateless_apply` (which `fit` and a
 jitted loop call) works as for any Keras optimizer.
 

@@ -95,7 +95,12 @@ HUB = {
 }
 
 # Libraries imported by the scripts: they only need to import.
-LIBRARIES = {"common.py", "language_task.py", "report.py"}
+LIBRARIES = {
+    "common.py",
+    "language_task.py",
+    "report.py",
+    "torch_update_timing.py",
+}
 
 
 def _run(args, cwd, extra_env=None):

@@ -189,7 +189,15 @@ def test_on_jax_the_compiled_steps_temporaries_are_a_parts(monkeypatch):
     assert split < whole / 3
 
 
+@pytest.fixture
+def eager_torch_update(monkeypatch):
+    """Tests of the eager parts' mechanism (`kmp.core.parts.Part`): on
+    torch, the compiled update (`kmp.core.torch.compiled`) makes no `Part`."""
+    monkeypatch.setenv("KMP_TORCH_COMPILE", "0")
+
+
 @pytest.mark.torch
+@pytest.mark.usefixtures("eager_torch_update")
 def test_each_part_writes_its_slices_in_place(monkeypatch):
     _, optimizer = _train(
         monkeypatch, PART, "float32", "nearest", OPTIMIZERS["adam"], "eager", 0
@@ -315,6 +323,7 @@ def _count_parts(monkeypatch):
     return made
 
 
+@pytest.mark.usefixtures("eager_torch_update")
 @pytest.mark.parametrize("mode", MODES)
 def test_every_backend_and_mode_runs_the_parts(monkeypatch, mode):
     made = _count_parts(monkeypatch)
@@ -411,6 +420,7 @@ def _embedding_in_parts_and_whole(monkeypatch, slot_dtype, mode, grads, dense):
     return whole, split
 
 
+@pytest.mark.usefixtures("eager_torch_update")
 @pytest.mark.parametrize("slot_dtype", QUANTIZED)
 @pytest.mark.parametrize("mode", MODES)
 def test_a_large_embedding_in_parts_gives_the_whole_update(

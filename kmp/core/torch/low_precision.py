@@ -12,14 +12,17 @@ arithmetic happens in bfloat16. Nothing is recorded for autograd.
 
 import functools
 
+import keras
 import torch
 from keras import ops
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 
+from kmp.core import borrow
 from kmp.core import codes
 from kmp.core import parts
 from kmp.core import rounding
 from kmp.core.step import low_precision as shared
+from kmp.core.torch import compiled
 
 update_variable = shared.update_variable
 view = shared.view
@@ -121,9 +124,31 @@ def apply_update(optimizer, grads, variables):
                     variable.assign(variable.constraint(variable))
             return
         step = _per_variable_update_step(type(inner))
+        if step is _KERAS_LOOP:  # Adam, AdamW: each variable on its own.
+            grads, variables, tails = compiled.apply(
+                optimizer, grads, variables, inner.learning_rate
+            )
+            if tails:
+                with borrow.lent(inner, _var_key=optimizer._inner_var_key):
+                    for gradient, variable, index, bounds in tails:
+                        update_in_parts(
+                            optimizer,
+                            gradient,
+                            inner.learning_rate,
+                            variable,
+                            index,
+                            bounds,
+                        )
+            if not variables:
+                return
         shared.routed_update(
             optimizer, grads, variables, functools.partial(step, inner)
         )
+
+
+# Keras's `_backend_update_step`: `update_step` for each variable, nothing
+# more per step.
+_KERAS_LOOP = keras.optimizers.Optimizer._backend_update_step
 
 
 def _per_variable_update_step(optimizer_class):
