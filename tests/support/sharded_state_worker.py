@@ -21,7 +21,6 @@ import pickle
 import sys
 import tempfile
 
-import jax
 import keras
 import numpy as np
 
@@ -68,6 +67,8 @@ def optimizer(slot_dtype, **kwargs):
 
 def distribution(name, kernel=None):
     shape, axes, kernel_axes = LAYOUTS[name]
+    import jax  # Optional: pytest's doctest collection imports this module.
+
     mesh = keras.distribution.DeviceMesh(shape, axes, jax.devices()[:4])
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map[".*dense.*kernel"] = kernel or kernel_axes
@@ -158,6 +159,8 @@ def error_of(make_model, slot_dtype, where, **kwargs):
 
 
 def main(out_path):
+    import jax
+
     assert len(jax.devices()) >= 4, jax.devices()
     weights = model().get_weights()
     results = {"bytes": {}, "equal": {}, "shardings": {}}
