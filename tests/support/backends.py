@@ -131,3 +131,14 @@ def global_norm_clip(grads, clip_norm):
     norm = ops.sqrt(sum(ops.sum(ops.square(g)) for g in grads))
     factor = ops.minimum(1.0, clip_norm / norm)
     return [g * factor for g in grads]
+
+
+def buffer_addresses(model) -> set:
+    """The addresses of `model`'s variable buffers, to check that two models
+    share none (JAX and torch; a TensorFlow variable always holds its own,
+    so the set is empty there)."""
+    if JAX:
+        return {v.value.unsafe_buffer_pointer() for v in model.weights}
+    if TORCH:
+        return {v.value.data_ptr() for v in model.weights}
+    return set()

@@ -24,6 +24,7 @@ keras_hub = pytest.importorskip(
 )
 
 import kmp  # noqa: E402
+from tests.support import backends  # noqa: E402
 from tests.support import hub_zoo  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("hub_tasks")
@@ -83,17 +84,6 @@ def _numpy_weights(model):
     return [np.array(keras.ops.convert_to_numpy(v)) for v in model.weights]
 
 
-def _buffers(model):
-    """The addresses of the model's variable buffers (JAX and torch; a
-    TensorFlow variable always holds its own)."""
-    backend = keras.backend.backend()
-    if backend == "jax":
-        return {v.value.unsafe_buffer_pointer() for v in model.weights}
-    if backend == "torch":
-        return {v.value.data_ptr() for v in model.weights}
-    return set()
-
-
 def _check_optimizer(copy, name, policy, options):
     cls, settings = OPTIMIZERS[name]
     optimizer = copy.optimizer
@@ -126,7 +116,7 @@ def test_converted_task_keeps_the_users_optimizer_and_trains(
     copy = kmp.convert(task, policy, **options)
     assert type(copy) is type(task)
     _check_optimizer(copy, case.name, policy, options)
-    shared = _buffers(copy) & _buffers(task)
+    shared = backends.buffer_addresses(copy) & backends.buffer_addresses(task)
     assert not shared, "the copy shares buffers with its source"
     text = kmp.summary(copy)
     assert f"Total params: {copy.count_params()}\n" in text

@@ -7,6 +7,7 @@ import pytest
 import kmp
 from kmp.tools.convert import convert
 from kmp.tools.models import layer_policy
+from tests.support import backends
 
 LOW_PRECISION = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
 
@@ -705,17 +706,6 @@ def test_a_bfloat16_copy_with_gradient_clipping_trains(clipping):
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
 
 
-def _buffer_addresses(model):
-    """The addresses of the model's variable buffers (JAX and torch; a
-    TensorFlow variable always holds a buffer of its own)."""
-    backend = keras.backend.backend()
-    if backend == "jax":
-        return {v.value.unsafe_buffer_pointer() for v in model.weights}
-    if backend == "torch":
-        return {v.value.data_ptr() for v in model.weights}
-    return set()
-
-
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "float32", "bfloat16"])
 def test_a_copy_shares_no_buffer_and_keeps_the_optimizer(policy):
     model = _functional()
@@ -724,7 +714,8 @@ def test_a_copy_shares_no_buffer_and_keeps_the_optimizer(policy):
         loss="categorical_crossentropy",
     )
     copy = convert(model, policy)
-    assert not _buffer_addresses(copy) & _buffer_addresses(model)
+    shared = backends.buffer_addresses(copy) & backends.buffer_addresses(model)
+    assert not shared
     optimizer = copy.optimizer
     if policy == "bfloat16":
         optimizer = optimizer.inner_optimizer
