@@ -100,6 +100,7 @@ def count_one(counter, loop, kind, size, steps, keep=None):
         keras.backend.clear_session(free_memory=False)
     if keep is not None:
         keep.append(step)
+    passes = update_passes(kind, size)
     per_step = {
         k: {owner: n / steps for owner, n in counts.by_owner(k).items()}
         for k in KINDS
@@ -117,8 +118,28 @@ def count_one(counter, loop, kind, size, steps, keep=None):
         "per_step": per_step,
         "kmp_sites": sites,
         "compiled": compiled,
+        "passes_per_gradient": passes,
         "skipped_steps": counts.skipped_steps,
     }
+
+
+def update_passes(kind, size):
+    """On JAX, the passes over each gradient of `kind`'s update alone,
+    compiled on the gradients (`step_counting/passes.py`): their range,
+    `[fewest, most]`; None elsewhere."""
+    if keras.backend.backend() != "jax" or kind not in models.OPTIMIZERS:
+        return None
+    from step_counting import jax_steps
+    from step_counting import passes
+
+    kmp.set_global_policy("mixed_float16")
+    try:
+        text, gradients = jax_steps.update_hlo(kind, size)
+    finally:
+        kmp.set_global_policy(None)
+        keras.backend.clear_session(free_memory=False)
+    counts = passes.gradient_passes(text, gradients)
+    return [min(counts), max(counts)]
 
 
 def compiled_summary(compiled):
@@ -162,6 +183,12 @@ def print_table(backend, records):
             + " ".join(cells)
             + "  "
             + compiled_summary(r["compiled"])
+            + (
+                "; passes/gradient "
+                + "-".join(map(str, sorted(set(r["passes_per_gradient"]))))
+                if r.get("passes_per_gradient")
+                else ""
+            )
             + (
                 f"; time {1e3 * r['seconds_per_step']:.3f} ms"
                 f" = {r['time_ratio']:.2f} x {r['time_baseline']}"

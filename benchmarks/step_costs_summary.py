@@ -158,7 +158,7 @@ def main():
             "and the documented loop donate it: a buffer copy is a weight "
             "or slot XLA could not update in place (`copy` instructions "
             "outside fusions, both branches counted; "
-            "`tests/core/test_jax_buffer_copies.py`); times on a shared "
+            "`tests/core/jax/test_step_copies.py`); times on a shared "
             "2-core CPU, noisy by some 10%."
         ),
         "date": "2026-11-28",

@@ -2,11 +2,13 @@
 
 Keras documents this loop for JAX: `jax.value_and_grad` over
 `model.stateless_call`, then `optimizer.stateless_apply`, all inside one
-`jax.jit`, with the state passed in and out explicitly. kmp adds the two
-calls Keras 3 lacks, in their stateless form: `stateless_scale_loss` and
-`stateless_unscale_gradients` read the scale from the optimizer values the
-step receives, so the compiled step always uses the current scale, and
-`stateless_apply` skips a step whose gradients overflowed. A jitted step
+`jax.jit`, with the state passed in and out explicitly. kmp adds the
+call Keras 3 lacks, in its stateless form: `stateless_scale_loss` reads the
+scale from the optimizer values the step receives, so the compiled step
+always uses the current scale, and `stateless_apply` unscales the
+gradients of the scaled loss (`scaled=True`) and skips a step whose
+gradients overflowed (`stateless_unscale_gradients` gives the true
+gradients, to clip or log them first). A jitted step
 cannot warn: `check_persistent_skips(optimizer_values)` after the step does
 (`fit` does it by itself), without waiting for the step: it reports on the
 step before, one step late. The step donates the state it is given
@@ -51,10 +53,12 @@ def make_train_step(model, optimizer, loss_fn):
         (_, (loss, non_trainable)), grads = jax.value_and_grad(
             scaled_loss, has_aux=True
         )(trainable)
-        # True gradients from here on: clip, log or accumulate them.
-        grads = optimizer.stateless_unscale_gradients(optimizer_values, grads)
+        # The gradients of the scaled loss, unscaled inside the step (fused
+        # into the update). To clip, log or accumulate the true gradients,
+        # unscale them first, then say so: stateless_unscale_gradients(
+        # optimizer_values, grads), then stateless_apply(..., scaled=False).
         trainable, optimizer_values = optimizer.stateless_apply(
-            optimizer_values, grads, trainable, scaled=False
+            optimizer_values, grads, trainable, scaled=True
         )
         return (trainable, non_trainable, optimizer_values), loss
 

@@ -21,7 +21,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # torch: LowPrecisionOptimizer's compiled Adam update (kmp.core.torch.
 # compiled) costs seconds of compiling per variable shape; the suite's
 # tests run the eager update, the same arithmetic, except
-# tests/core/test_torch_compiled_update.py, which turns it on.
+# tests/core/torch/test_compiled.py, which turns it on.
 os.environ.setdefault("KMP_TORCH_COMPILE", "0")
 
 import keras  # noqa: E402

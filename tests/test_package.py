@@ -135,3 +135,14 @@ def test_torchs_fused_optimizers_elsewhere_say_what_to_use(name):
         getattr(kmp, name)(0.01)
     assert "needs Keras's torch backend" in str(info.value)
     assert f"keras.optimizers.{name[5:]}" in str(info.value)
+
+
+@pytest.mark.anybackend
+@pytest.mark.xdist_group("grouping_check")
+def test_xdist_groups_reach_the_scheduler(request):
+    # Under `-n` with `--dist loadgroup` (setup.cfg) a test of an xdist_group
+    # carries the group in its node id, which is how the scheduler keeps a
+    # group on one worker (pytest 9 with pytest-xdist 3.8 loses it).
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.skip("not run by a pytest-xdist worker")
+    assert request.node.nodeid.endswith("@grouping_check")

@@ -9,7 +9,7 @@ A read that kmp's persistent-skips check makes of an earlier step's
 numbers (`kmp/core/step/lagged.py`: a small copy whose transfer to the host
 started a step before, read while the device runs the next step) is a
 `"late_read"`: it waits for that copy, not for the step the device is
-running (`tests/core/test_jax.py` checks that the check returns before a
+running (`tests/core/jax/test_step.py` checks that the check returns before a
 running step has finished).
 """
 

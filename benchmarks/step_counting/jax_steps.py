@@ -4,8 +4,8 @@
   state in, the state out; kmp's `compile` patch checks persistent skips
   after it);
 - `loop`: `examples/jax_custom_loop.py`'s jitted step (with kmp,
-  `stateless_scale_loss`, `stateless_unscale_gradients`, `stateless_apply`
-  with `scaled=False`, then `check_persistent_skips` on the new state;
+  `stateless_scale_loss`, `stateless_apply` of the scaled gradients with
+  `scaled=True`, then `check_persistent_skips` on the new state;
   with Keras's optimizer, gradients of `scale_loss(loss)`, unscaled by its
   `stateless_apply`; with Adam, `stateless_apply`), donating the state it
   is given (`donate_argnums=0`) as the example does, so XLA may update the
@@ -96,9 +96,8 @@ class Step:
                 loss_of, has_aux=True
             )(trainable)
             if kind == "kmp":
-                grads = optimizer.stateless_unscale_gradients(values, grads)
                 trainable, values = optimizer.stateless_apply(
-                    values, grads, trainable, scaled=False
+                    values, grads, trainable, scaled=True
                 )
             else:
                 trainable, values = optimizer.stateless_apply(
@@ -132,3 +131,43 @@ def jax_loss(y, y_pred):
     import keras
 
     return keras.losses.mean_squared_error(y, y_pred).mean()
+
+
+def update_hlo(kind, n_variables, unscale_first=False, **settings):
+    """`(optimized HLO text, gradient parameter numbers)` of `kind`'s
+    optimizer step alone (`stateless_apply`, jitted on the weights, the
+    optimizer's values and the gradients, the first two donated), on the
+    `n_variables` model: what `passes.gradient_passes` counts. For kmp
+    (`settings` go to its `LossScaleOptimizer`), the gradients are those of
+    the scaled loss, passed with `scaled=True`, or with `unscale_first`
+    unscaled by `stateless_unscale_gradients` and passed with
+    `scaled=False`."""
+    import kmp
+
+    model = models.build_model(n_variables)
+    if kind == "kmp" and settings:
+        import keras
+
+        optimizer = kmp.LossScaleOptimizer(
+            keras.optimizers.Adam(1e-3), **settings
+        )
+    else:
+        optimizer = models.make_optimizer(kind)
+    optimizer.build(model.trainable_variables)
+    trainable = [v.value for v in model.trainable_variables]
+    values = [v.value for v in optimizer.variables]
+
+    def update(trainable, values, grads):
+        if kind != "kmp":
+            return optimizer.stateless_apply(values, grads, trainable)
+        if unscale_first:
+            grads = optimizer.stateless_unscale_gradients(values, grads)
+        return optimizer.stateless_apply(
+            values, grads, trainable, scaled=not unscale_first
+        )
+
+    grads = [jnp.ones_like(t) for t in trainable]
+    jitted = jax.jit(update, donate_argnums=(0, 1))
+    text = jitted.lower(trainable, values, grads).compile().as_text()
+    first = len(trainable) + len(values)
+    return text, list(range(first, first + len(grads)))

@@ -37,6 +37,7 @@ variables and assigns what `next` returns.
 """
 
 import dataclasses
+import math
 from typing import Tuple
 
 from keras import ops
@@ -147,6 +148,24 @@ class ScaleRule:
             ),
         )
         return new_scale, new_counter, new_hysteresis
+
+
+def powers_of_two(rule, initial_scale) -> bool:
+    """Whether every scale a run can take is a power of two, so that its
+    reciprocal is exact: a fixed `initial_scale` (`rule` None) that is one,
+    or a rule whose initial scale, factors and floor are (the default's:
+    2**15, 2, 0.5, 1). The ceiling does not count: the scale stops below
+    it rather than being clamped to it. A scale restored from elsewhere
+    need not be one."""
+    values = [initial_scale]
+    if rule is not None:
+        values += [rule.growth_factor, rule.backoff_factor, rule.min_scale]
+    return all(_is_power_of_two(v) for v in values)
+
+
+def _is_power_of_two(value) -> bool:
+    mantissa, _ = math.frexp(float(value))
+    return mantissa == 0.5
 
 
 class KerasOps:

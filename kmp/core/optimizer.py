@@ -159,6 +159,10 @@ class LossScaleOptimizer(
     [0.5]
     """
 
+    # This backend's step module (its division and check too, for the
+    # scaling calls of `ScalingMixin`).
+    _backend_step = _step
+
     def __init__(
         self,
         inner_optimizer: _KerasOptimizer,

@@ -16,20 +16,11 @@ from typing import List
 
 import keras
 
-from kmp.core import backend
 from kmp.core import checks
-from kmp.core import jax_tracing
 from kmp.core import optimizer_arguments as arguments
 from kmp.core import recipes
 from kmp.core import scaling
 from kmp.core.step import common
-
-# Torch's multi-tensor division where it applies; elsewhere one op per
-# gradient.
-if backend.is_torch():
-    from kmp.core.torch.step import unscale_gradients as _unscale
-else:
-    _unscale = scaling.unscale_gradients
 
 
 class ScalingMixin:
@@ -104,7 +95,7 @@ class ScalingMixin:
         grads = arguments.checked_gradient_list(grads, "grads")
         scale = self._live_scale(grads, "get_unscaled_gradients")
         with keras.name_scope(self.name, caller=self):
-            unscaled = _unscale(grads, scale)
+            unscaled = self._backend_step.unscale_gradients(grads, scale)
         self._recipes.unscale_called(grads, unscaled)
         return unscaled
 
@@ -157,7 +148,7 @@ class ScalingMixin:
         """
         grads = arguments.checked_gradient_list(grads, "grads")
         scale = common.scale_of(self, optimizer_variables)
-        unscaled = _unscale(grads, scale)
+        unscaled = self._backend_step.unscale_gradients(grads, scale)
         self._recipes.unscale_called(grads, unscaled)
         return unscaled
 
@@ -170,12 +161,12 @@ class ScalingMixin:
         Returns:
             A bool scalar tensor.
         """
-        return scaling.all_finite(grads)
+        return self._backend_step.all_finite(grads)
 
     def _live_scale(self, given, method):
-        """The scale variable, checked on JAX (see the module docstring)."""
-        if backend.is_jax():
-            jax_tracing.check_live_scale(self.dynamic_scale, given, method)
+        """The scale variable, checked by the backend's step (JAX's: see the
+        module docstring)."""
+        self._backend_step.check_live_scale(self.dynamic_scale, given, method)
         return self.dynamic_scale
 
     def _scaled(self, loss, scale):

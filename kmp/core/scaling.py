@@ -70,7 +70,69 @@ def _tf():
     return backend.tensorflow()
 
 
-def _quick_sum(gradients) -> object:
+def unscale_by_reciprocal(gradients: Iterable, scale, keep=()) -> List:
+    """`unscale_gradients` as a multiplication by `1 / scale` (in float32):
+    the same values where `scale` is a power of two, whose reciprocal
+    float32 holds exactly (then both are the one correctly rounded
+    quotient); within an ulp of them otherwise. XLA fuses a multiplication,
+    unlike a division, into each of the fusions that read it."""
+    factor = ops.divide(1.0, ops.cast(scale, "float32"))
+    gradients = list(gradients)
+    return [
+        g if g is None or i in keep else scale_tensor(g, factor, divide=False)
+        for i, g in enumerate(gradients)
+    ]
+
+
+def all_finite(gradients: Iterable):
+    """A bool scalar tensor: whether no gradient holds an inf or a NaN.
+
+    Elementwise and exact, without a conditional (on a GPU, XLA's, and
+    torch's Python `if`, waits for the device): gradients of one shape and
+    dtype are checked together (their flags AND-ed elementwise, then one
+    reduction), so XLA reads every gradient of a group in one fused kernel,
+    rather than one reduction per gradient. TensorFlow's step decides with
+    a quick sum first (`all_finite_quick_sum_first`).
+    """
+    present = [_values(g) for g in gradients if g is not None]
+    if not present:
+        return ops.convert_to_tensor(True)
+    groups = {}
+    for gradient in present:
+        key = (tuple(gradient.shape), checks.dtype_name(gradient))
+        groups.setdefault(key, []).append(ops.isfinite(gradient))
+    flags = []
+    for (shape, _), group in groups.items():
+        if None in shape:
+            flags += [ops.all(flag) for flag in group]
+            continue
+        together = group[0]
+        for flag in group[1:]:
+            together = ops.logical_and(together, flag)
+        flags.append(ops.all(together))
+    return flags[0] if len(flags) == 1 else ops.all(ops.stack(flags))
+
+
+def all_finite_quick_sum_first(gradients: Iterable, add_n=None):
+    """`all_finite`, decided by a quick sum of everything when that is
+    finite (as it is on almost every step): TensorFlow's
+    (`kmp.core.tensorflow.step`), where the sum's few ops (`add_n`, its one
+    op for a sum of many tensors) cost less than a check per group. Only
+    when the sum is not finite does the elementwise check run, in a
+    conditional, to tell an inf or NaN from finite values whose sum
+    overflowed."""
+    present = [_values(g) for g in gradients if g is not None]
+    if not present:
+        return ops.convert_to_tensor(True)
+    quick = ops.isfinite(_quick_sum(present, add_n or _add))
+    return ops.cond(
+        quick,
+        lambda: ops.convert_to_tensor(True),
+        lambda: all_finite(present),
+    )
+
+
+def _quick_sum(gradients, add_n) -> object:
     """The sum of all elements (low precision in float32), as float32.
 
     Gradients of one shape and dtype are added elementwise first: a few ops
@@ -90,54 +152,16 @@ def _quick_sum(gradients) -> object:
         else:
             groups.setdefault((shape, dtype), []).append(gradient)
     for group in groups.values():
-        total = group[0] if len(group) == 1 else _add_n(group)
+        total = group[0] if len(group) == 1 else add_n(group)
         sums.append(ops.cast(ops.sum(total), "float32"))
-    return sums[0] if len(sums) == 1 else _add_n(sums)
+    return sums[0] if len(sums) == 1 else add_n(sums)
 
 
-# Decided once (both run on every step): TensorFlow's one op for a sum of
-# many tensors, and whether a quick sum decides first (see `all_finite`).
-_TF_ADD_N = backend.tensorflow().add_n if backend.is_tensorflow() else None
-_QUICK_SUM_FIRST = backend.is_tensorflow()
-
-
-def _add_n(tensors):
-    if _TF_ADD_N is not None:
-        return _TF_ADD_N(tensors)
+def _add(tensors):
     total = tensors[0]
     for tensor in tensors[1:]:
         total = ops.add(total, tensor)
     return total
-
-
-def _exact_all_finite(gradients):
-    flags = [ops.all(ops.isfinite(g)) for g in gradients]
-    return ops.all(ops.stack(flags))
-
-
-def all_finite(gradients: Iterable):
-    """A bool scalar tensor: whether no gradient holds an inf or a NaN.
-
-    On TensorFlow a quick sum over everything decides when it is finite
-    (as it is on almost every step); only when it is not does the
-    elementwise check run, which tells an inf or NaN from finite values
-    whose sum overflowed. On JAX and torch the elementwise check runs
-    alone, without a conditional (see the code).
-    """
-    present = [_values(g) for g in gradients if g is not None]
-    if not present:
-        return ops.convert_to_tensor(True)
-    if not _QUICK_SUM_FIRST:
-        # No conditional: on a GPU, XLA's (and torch's Python `if`) waits
-        # for the device. XLA fuses the per-gradient checks (as Flax's
-        # DynamicScale, which selects with jnp.where for the same reason).
-        return _exact_all_finite(present)
-    quick = ops.isfinite(_quick_sum(present))
-    return ops.cond(
-        quick,
-        lambda: ops.convert_to_tensor(True),
-        lambda: _exact_all_finite(present),
-    )
 
 
 def finite_per_gradient(gradients: Iterable) -> List:

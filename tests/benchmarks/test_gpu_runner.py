@@ -259,9 +259,10 @@ def test_jax_transformer_on_a_cpu_runs_without_float16():
 # --- --quick ---------------------------------------------------------------
 
 
+@pytest.mark.jax  # The runner's logic; one backend suffices (CI's stage 3a).
 def test_quick_runs_each_bench_twice_and_says_how_far_they_agree(tmp_path):
-    """On this environment's backend (TensorFlow too: CI), tiny, custom
-    loop only: two kmp bench runs back to back, written as they finish."""
+    """On JAX, tiny, custom loop only: two kmp bench runs back to back,
+    written as they finish."""
     backend = keras.backend.backend()
     completed = subprocess.run(
         [

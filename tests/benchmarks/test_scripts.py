@@ -49,7 +49,7 @@ SMOKE = {
 # Scripts that run on every backend (here on the one the suite runs on).
 EVERY_BACKEND = {
     "eight_bit.py": (
-        "--quick --models digits,language --seeds 1 --no-memory --no-torchao"
+        "--quick --models language --seeds 1 --no-memory --no-torchao"
         " --output {tmp}/eight_bit.json".split()
         + ["--configurations", "float32,bf16 + 8-bit state,bf16 + 4-bit state"],
         "bf16 + 4-bit state",

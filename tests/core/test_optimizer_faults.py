@@ -7,8 +7,8 @@ slot and `iterations` exactly as they were; the scale halves; training goes on
 and the loss comes down. A hypothesis test drives the real optimizer through
 random finite / non-finite sequences against a plain-Python model of the
 scale rule, on every backend; the fault tools are TensorFlow's (skipped
-steps in `fit` and custom loops on JAX and torch: test_jax.py,
-test_torch.py).
+steps in `fit` and custom loops on JAX and torch: tests/core/jax/test_step.py,
+tests/core/torch/test_step.py).
 """
 
 import math

@@ -149,7 +149,7 @@ def test_fit_skips_a_nan_batch_within_steps_per_execution():
 
 # In a tf.function the inner update is applied first and undone on a skip
 # ("first"), or applied in a cond ("in_cond"); see kmp.core.tensorflow.step. A
-# jitted JAX step reports from the host: tests/core/test_jax.py.
+# jitted JAX step reports from the host: tests/core/jax/test_step.py.
 SKIP_PATHS = [
     "eager",
     pytest.param("first", marks=pytest.mark.tensorflow),

@@ -2,7 +2,7 @@
 
 Here on one process: what is encoded, and the error two processes' rows
 that differ give. The comparisons across real processes are in
-test_torch_distributed.py and test_jax_multiprocess.py.
+tests/core/torch/test_distributed.py and tests/core/jax/test_multiprocess.py.
 """
 
 import keras

@@ -91,7 +91,8 @@ def test_scaled_loss_of_a_floating_value_convertible_to_a_tensor(
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(scaled), expected)
 
 
-@pytest.mark.tensorflow  # On JAX: stateless_scale_loss, see test_jax.py.
+# On JAX: stateless_scale_loss, see tests/core/jax/test_step.py.
+@pytest.mark.tensorflow
 def test_scaled_loss_reads_the_current_scale_inside_tf_function():
     tf = backends.tensorflow()
     optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8)
@@ -282,10 +283,28 @@ def test_scaled_loss_names_a_keras_variable_of_the_wrong_dtype():
         "sum_overflow_and_nan",
     ],
 )
-def test_all_finite_is_exact(gradients, finite, mode):
+@pytest.mark.parametrize(
+    "check",
+    [scaling.all_finite, scaling.all_finite_quick_sum_first],
+    ids=["elementwise", "quick_sum_first"],
+)
+def test_all_finite_is_exact(gradients, finite, mode, check):
     grads = [backends.tensor(g) for g in gradients] + [None]
-    check = training.compiled(lambda: scaling.all_finite(grads), mode)
-    assert bool(check()) is finite
+    checked = training.compiled(lambda: check(grads), mode)
+    assert bool(checked()) is finite
+
+
+def test_the_elementwise_check_groups_gradients_of_one_shape():
+    # Each group is AND-ed elementwise: a bad element in any member counts.
+    tensor = backends.tensor
+    good = [tensor([[1.0, 2.0]]), tensor([[3.0, 4.0]]), tensor([5.0])]
+    assert bool(scaling.all_finite(good))
+    for position in range(3):
+        grads = list(good)
+        bad = [[1.0, NAN]] if position < 2 else [INF]
+        grads[position] = tensor(bad)
+        assert not bool(scaling.all_finite(grads))
+        assert not bool(scaling.all_finite_quick_sum_first(grads))
 
 
 @pytest.mark.parametrize(

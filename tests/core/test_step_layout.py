@@ -22,19 +22,26 @@ from kmp.core import backend
 
 CORE = pathlib.Path(kmp.__file__).parent / "core"
 BACKENDS = ("tensorflow", "jax", "torch")
-# The names every backend's step module defines, which `optimizer.py` calls.
+# The names every backend's step module defines, which `optimizer.py` (and
+# `optimizer_scaling.py`, through `LossScaleOptimizer._backend_step`) calls.
 STEP_NAMES = {
     "apply",
     "stateless_apply",
     "snapshot",
     "check_strategy",
     "check_replica_context",
+    "unscale_gradients",
+    "all_finite",
+    "check_live_scale",
 }
-# The shared step and the backend-free rule and bookkeeping it uses.
+# The shared step, the backend-free rule and bookkeeping it uses, and the
+# scaling calls of the public class.
 SHARED = sorted((CORE / "step").glob("*.py")) + [
     CORE / "loss_scale.py",
     CORE / "kept_state.py",
     CORE / "recipes.py",
+    CORE / "scaling.py",
+    CORE / "optimizer_scaling.py",
 ]
 BACKEND_TESTS = {"is_tensorflow", "is_jax", "is_torch"}
 WALK_LIMIT = 9
@@ -99,11 +106,14 @@ def test_each_backend_step_imports_no_other_backend(name):
 @pytest.mark.anybackend
 @pytest.mark.parametrize("name", BACKENDS)
 def test_each_backend_step_defines_the_same_names(name):
-    defined = {
-        node.name
-        for node in _tree(CORE / name / "step.py").body
-        if isinstance(node, ast.FunctionDef)
-    }
+    defined = set()
+    for node in _tree(CORE / name / "step.py").body:
+        if isinstance(node, ast.FunctionDef):
+            defined.add(node.name)
+        elif isinstance(node, ast.Assign):
+            defined.update(
+                t.id for t in node.targets if isinstance(t, ast.Name)
+            )
     assert STEP_NAMES <= defined
 
 

@@ -52,8 +52,9 @@ def test_every_example_is_tested():
         "gan.py",
     }
     shared = {"digits.py"}  # The data and model the examples import.
-    # Run by tests/core/test_jax_and_torch.py, test_jax_multiprocess.py
-    # and test_torch_distributed.py, on their backends.
+    # Run by tests/core/test_jax_and_torch.py,
+    # tests/core/jax/test_multiprocess.py and
+    # tests/core/torch/test_distributed.py, on their backends.
     other_backends = {
         "jax_custom_loop.py",
         "jax_multiprocess.py",

@@ -1,4 +1,4 @@
-"""One process of tests/core/test_jax_multiprocess.py, and its training.
+"""One process of tests/core/jax/test_multiprocess.py, and its training.
 
 Not a test module. Started once per process,
 

@@ -1,6 +1,7 @@
 """`benchmarks/step_counting` (not a package on the path), loaded once for
 the tests that count a step's costs (`tests/core/test_host_syncs.py`,
-`test_jax_buffer_copies.py`) under its own name, with its submodules."""
+`tests/core/jax/test_step_copies.py`, `test_step_passes.py`) under its own
+name, with its submodules."""
 
 import importlib
 import importlib.util

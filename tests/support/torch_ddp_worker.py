@@ -1,4 +1,4 @@
-"""One process of tests/core/test_torch_distributed.py, and its training loop.
+"""One process of tests/core/torch/test_distributed.py, and its training loop.
 
 Not a test module. Started as
 

@@ -1,4 +1,5 @@
-"""One process of test_torch_distributed.py's setups beyond lockstep DDP.
+"""One process of tests/core/torch/test_distributed.py's setups beyond
+lockstep DDP.
 
 Not a test module. Started as
 

@@ -23,6 +23,9 @@ import keras
 from keras import ops
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 
+from kmp.core import jax_tracing
+from kmp.core import loss_scale
+from kmp.core import scaling
 from kmp.core.step import common
 
 
@@ -37,6 +40,7 @@ def stateless_apply(
         trainable_variables,
         scaled,
         choose,
+        unscale_in_branch=branch_unscale(optimizer),
     )
     if not isinstance(in_a_row, jax.core.Tracer):
         common.report(optimizer, in_a_row, scale)
@@ -64,6 +68,7 @@ def apply(optimizer, grads, variables, scaled, aggregate=True):
         [v.value for v in trained],
         scaled,
         choose,
+        unscale_in_branch=branch_unscale(optimizer),
     )
     for variable, value in zip(trained, new_trained):
         variable.assign(value)
@@ -76,6 +81,14 @@ def apply(optimizer, grads, variables, scaled, aggregate=True):
     optimizer.report_persistent_skips_now()
 
 
+# `check_finite`'s and `get_unscaled_gradients`' (and the step's) check and
+# division: the shared ones, which XLA fuses. `scale_loss` and
+# `get_unscaled_gradients` refuse a scale read inside `jax.jit`.
+all_finite = scaling.all_finite
+unscale_gradients = scaling.unscale_gradients
+check_live_scale = jax_tracing.check_live_scale
+
+
 def choose(apply_ok, applied, skipped):
     """JAX's way to apply or skip (`kmp.core.step.common.stateless_apply`'s)."""
     if any_tracer([apply_ok]):
@@ -84,6 +97,22 @@ def choose(apply_ok, applied, skipped):
     # Run eagerly, op by op, as the inner optimizer's own; then chosen on
     # the device, without a read (a cond would compile the update).
     return select(apply_ok, applied(), skipped())
+
+
+def branch_unscale(optimizer):
+    """How the applying branch unscales the gradients of the scaled loss
+    itself (`kmp.core.step.common.stateless_apply`'s `unscale_in_branch`),
+    or None. Where every scale the optimizer can take is a power of two
+    (`loss_scale.powers_of_two`: the default rule's), by a multiplication
+    by the reciprocal, which gives the division's values exactly and which
+    XLA fuses into each update fusion that reads the gradient, as the
+    check's division into its reductions: no unscaled copy is written out.
+    Otherwise None: the quotients are written out once, before the branch,
+    and read by the check and the update (XLA repeats no division in
+    several fusions, so dividing in the branch again would save nothing)."""
+    if loss_scale.powers_of_two(optimizer.rule, optimizer.initial_scale):
+        return scaling.unscale_by_reciprocal
+    return None
 
 
 def any_tracer(values) -> bool:

@@ -71,30 +71,30 @@ def prepare(
     scaled,
     unscale=scaling.unscale_gradients,
     agree=None,
+    check=scaling.all_finite,
 ):
     """Unscaled gradients and the step's finite flags.
 
     `unscale` divides the gradients by the scale (the backend's own where
-    it has one); `agree(finite, apply_ok, per_gradient, optimizer)`, if
-    given, agrees the flags across processes (torch's, which the caller
-    picks). Returns `(grads, finite, apply_ok, finite_per_gradient)`:
-    whether the gradients are finite (what the scale rule sees) and
+    it has one); `check` tells whether they are all finite (TensorFlow's
+    decides with a quick sum first);
+    `agree(finite, apply_ok, per_gradient, optimizer)`, if given, agrees
+    the flags across processes (torch's, which the caller picks).
+    Returns `(grads, finite, apply_ok, finite_per_gradient)`: whether the
+    gradients are finite (what the scale rule sees) and
     whether the step is applied (which also needs a finite learning rate);
     the per-gradient flags only with `record_nonfinite=True`, else None.
     """
     if scaled:
-        keep = {
-            i
-            for i, v in enumerate(variables)
-            if optimizer._overwrite_variable_with_gradient(v)
-        }
-        grads = unscale(grads, optimizer.dynamic_scale, keep)
+        grads = unscale(
+            grads, optimizer.dynamic_scale, kept_gradients(optimizer, variables)
+        )
     if optimizer._record_nonfinite:
         per_gradient = scaling.finite_per_gradient(grads)
         finite = ops.all(ops.stack(per_gradient))
     else:
         per_gradient = None
-        finite = scaling.all_finite(grads)
+        finite = check(grads)
     rate = current_learning_rate(optimizer.inner_optimizer)
     apply_ok = finite
     if rate is not None:
@@ -106,6 +106,16 @@ def prepare(
             finite, apply_ok, per_gradient, optimizer
         )
     return grads, finite, apply_ok, per_gradient
+
+
+def kept_gradients(optimizer, variables) -> set:
+    """The positions of the gradients no unscaling divides: those of the
+    variables Keras overwrites with their "gradient" (float8 scales)."""
+    return {
+        i
+        for i, v in enumerate(variables)
+        if optimizer._overwrite_variable_with_gradient(v)
+    }
 
 
 def restore_kept_state(optimizer) -> None:
@@ -238,11 +248,19 @@ def stateless_apply(
     choose,
     unscale=scaling.unscale_gradients,
     agree=None,
+    unscale_in_branch=None,
 ):
     """See `LossScaleOptimizer.stateless_apply`; the backend's step passes
     `choose(apply_ok, applied, skipped)`, which runs one of the two and
     returns its `(new trainable values, new inner values)`, and `unscale`
     and `agree`, as `kmp.core.step.common.prepare` takes them.
+
+    `unscale_in_branch(grads, scale, keep)`, if given (JAX's), unscales
+    scaled gradients again inside `applied`, as `unscale` does for the
+    check: the unscaled gradients are then computed twice rather than
+    written out once and read twice, and the compiler fuses each into what
+    reads it (the check's reductions; the inner update, where the second
+    is a multiplication by the scale's reciprocal, `kmp.core.jax.step`).
 
     Returns:
         `(new trainable values, new optimizer values, skips in a row,
@@ -262,15 +280,18 @@ def stateless_apply(
     mapping += list(zip(variables, trainable_variables))
 
     with StatelessScope(state_mapping=mapping):
-        grads, finite, apply_ok, per_gradient = prepare(
+        unscaled, finite, apply_ok, per_gradient = prepare(
             optimizer, grads, variables, scaled, unscale, agree
         )
-
     inner = optimizer.inner_optimizer
+    again = scaled and unscale_in_branch is not None
+    scale = scale_of(optimizer, optimizer_variables)
+    kept = kept_gradients(optimizer, variables)
 
     def applied():
+        given = unscale_in_branch(grads, scale, kept) if again else unscaled
         new_trainable, new_inner = inner.stateless_apply(
-            inner_values, grads, trainable_variables
+            inner_values, given, trainable_variables
         )
         return list(new_trainable), list(new_inner)
 

@@ -25,6 +25,7 @@ from tensorflow.python.ops import control_flow_util_v2
 
 from kmp.core import backend
 from kmp.core import borrow
+from kmp.core import scaling
 from kmp.core.step import common as steps
 from kmp.core.tensorflow.fused import FusedAdam
 
@@ -69,7 +70,7 @@ def apply(
     if distributed and aggregate:
         grads = sum_over_replicas(grads)
     grads, finite, apply_ok, per_gradient = steps.prepare(
-        optimizer, grads, variables, scaled
+        optimizer, grads, variables, scaled, check=all_finite
     )
     if distributed and not aggregate:
         finite, apply_ok, per_gradient = true_on_every_replica(
@@ -238,6 +239,17 @@ def _after_step(
                 tf.cond(reached, report_persistent_skips, lambda: None)
 
     cond_as_one_call(tf.logical_not(apply_ok), when_skipped)
+
+
+def all_finite(gradients):
+    """TensorFlow's finite check: a quick sum decides first (a few ops per
+    step, `tf.add_n` for a sum of many tensors), the elementwise check only
+    when it is not finite (`kmp.core.scaling.all_finite_quick_sum_first`)."""
+    return scaling.all_finite_quick_sum_first(gradients, tf.add_n)
+
+
+# `get_unscaled_gradients`' division: one op per gradient.
+unscale_gradients = scaling.unscale_gradients
 
 
 def stateless_apply(
@@ -491,3 +503,7 @@ def without_gradient_aggregation(optimizer):
     return borrow.lent_to_each(
         nested_optimizers(optimizer), _all_reduce_sum_gradients=list
     )
+
+
+def check_live_scale(scale, given, method) -> None:
+    """Nothing to check (JAX's: a scale read inside `jax.jit`)."""

@@ -22,7 +22,7 @@ operation for operation, compiled without contraction or reassociation;
 one rounding differs: inductor's `sqrt` is correctly rounded, eager torch's
 CPU `sqrt` is within one unit in the last place of it. With a correctly
 rounded eager `sqrt` the two are equal bit for bit
-(`tests/core/test_torch_compiled_update.py`).
+(`tests/core/torch/test_compiled.py`).
 
 Elsewhere (another optimizer, a `StatelessScope`, `KMP_TORCH_COMPILE=0` in
 the environment, no `torch.compile`, or a failed compile: warned once, then

@@ -106,6 +106,10 @@ def choose(apply_ok, applied, skipped):
     return (applied if bool(apply_ok) else skipped)()
 
 
+# `check_finite`'s: the shared elementwise check.
+all_finite = scaling.all_finite
+
+
 def unscale_gradients(gradients, scale, keep=()):
     """`kmp.core.scaling.unscale_gradients`, with `unscale`'s multi-tensor
     ops where every gradient is a torch tensor (or None) and `scale` a
@@ -374,3 +378,7 @@ class TorchOps:
     @staticmethod
     def false(like):
         return torch.zeros((), dtype=torch.bool, device=like.device)
+
+
+def check_live_scale(scale, given, method) -> None:
+    """Nothing to check (JAX's: a scale read inside `jax.jit`)."""
