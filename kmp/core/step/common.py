@@ -285,11 +285,13 @@ def stateless_apply(
         )
     inner = optimizer.inner_optimizer
     again = scaled and unscale_in_branch is not None
-    scale = scale_of(optimizer, optimizer_variables)
-    kept = kept_gradients(optimizer, variables)
 
     def applied():
-        given = unscale_in_branch(grads, scale, kept) if again else unscaled
+        given = unscaled
+        if again:
+            scale = scale_of(optimizer, optimizer_variables)
+            kept = kept_gradients(optimizer, variables)
+            given = unscale_in_branch(grads, scale, kept)
         new_trainable, new_inner = inner.stateless_apply(
             inner_values, given, trainable_variables
         )
