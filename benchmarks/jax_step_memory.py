@@ -1,9 +1,11 @@
 """What XLA holds in JAX's compiled train step, per configuration.
 
 For the MLP of `eight_bit.py`'s peak-memory rows (2048-4096-4096-4096-10,
-42M parameters), under float32 Adam and bfloat16 weights with 8-bit,
-4-bit and float8 moments (`kmp.LowPrecisionOptimizer`, stochastic
-rounding), this compiles Keras's train step as Keras's JAX trainer does
+42M parameters), under float32 Adam, Keras's Adam alone on bfloat16
+weights (`bfloat16`: no kmp, bfloat16 moments; what XLA holds for this
+step's forward and backward pass with bfloat16 weights, the floor of the
+rows after it) and bfloat16 weights with 8-bit, 4-bit and float8 moments
+(`kmp.LowPrecisionOptimizer`, stochastic rounding), this compiles Keras's train step as Keras's JAX trainer does
 (`jax.jit(model.train_step, donate_argnums=0)`) and reads XLA's own
 accounting of it (`compiled.memory_analysis()`): the arguments (weights,
 optimizer state: donated, so aliased to the outputs) and the temporaries
@@ -32,7 +34,7 @@ import kmp  # noqa: E402
 
 UNITS = (2048, 4096, 4096, 4096)
 QUICK_UNITS = (32, 64, 64, 64)
-CONFIGURATIONS = ("float32", "8bit", "4bit", "float8")
+CONFIGURATIONS = ("float32", "bfloat16", "8bit", "4bit", "float8")
 MB = 2**20
 _SHAPE = re.compile(r"= \w+\[([0-9,]*)\]\S* copy\(")
 
@@ -46,7 +48,7 @@ def _model(configuration, units):
         layers += [keras.layers.Activation("softmax", dtype="float32")]
         model = keras.Sequential(layers)
     optimizer = keras.optimizers.Adam(1e-4)
-    if configuration != "float32":
+    if configuration not in ("float32", "bfloat16"):
         optimizer = kmp.LowPrecisionOptimizer(
             optimizer, rounding="stochastic", slot_dtype=configuration, seed=0
         )

@@ -7,7 +7,8 @@ divides them by the scale if they are scaled, checks them for inf/NaN
 inner optimizer only if all are finite, and assigns the state the scale rule
 returns (`kmp.core.loss_scale`). The class holds the variables and reads
 like Keras's own; beside it are the checks of its arguments
-(`optimizer_arguments`), its state (`optimizer_state`), the scaling calls
+(`optimizer_arguments`), its state (`optimizer_state`) and its files
+(`optimizer_files`), the scaling calls
 (`optimizer_scaling`), the state a skipped step puts back (`kept_state`),
 and each backend's whole step (`kmp.core.tensorflow.step`,
 `kmp.core.jax.step`, `kmp.core.torch.step`: the same names on each, picked
@@ -27,6 +28,7 @@ from kmp.core import optimizer_arguments as arguments
 from kmp.core import process_settings
 from kmp.core import recipes
 from kmp.core.optimizer_arguments import ArgumentTypeError
+from kmp.core.optimizer_files import FilesMixin
 from kmp.core.optimizer_scaling import ScalingMixin
 from kmp.core.optimizer_state import PersistentSkipsWarning
 from kmp.core.optimizer_state import StateMixin
@@ -49,6 +51,7 @@ _KerasOptimizer = keras.optimizers.Optimizer
 @keras.saving.register_keras_serializable(package="kmp")
 class LossScaleOptimizer(
     StateMixin,
+    FilesMixin,
     ScalingMixin,
     kept_state.KeepOnSkipMixin,
     _KerasLossScaleOptimizer,

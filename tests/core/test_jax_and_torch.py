@@ -1,5 +1,6 @@
-"""What JAX and torch guarantee alike, written once over both backends: a
-`.keras` file keeps the scale and counter, and the training page's custom
+"""What JAX and torch guarantee alike, written once over both backends:
+`fit` skips a step with a NaN batch bit for bit, dynamic or fixed; a
+`.keras` file keeps the scale and counter; the training page's custom
 loop (`examples/<backend>_custom_loop.py`) trains without skipping.
 (TensorFlow's are in `test_optimizer_resume.py` and the docs' tests.)
 """
@@ -15,12 +16,59 @@ from tests.support import backends
 backends.require("jax", "torch")
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 import kmp  # noqa: E402
+from tests.support import reliability as rel  # noqa: E402
 from tests.support import training  # noqa: E402
 from tests.support.training import BATCH_SIZE  # noqa: E402
 
 EXAMPLES = pathlib.Path(__file__).parents[2] / "examples"
+
+
+@pytest.mark.parametrize(
+    "dynamic, expected_scales",
+    [
+        (True, [8.0, 4.0, 4.0, 8.0, 4.0, 4.0]),
+        (False, [64.0] * 6),
+    ],
+    ids=["dynamic", "fixed"],
+)
+def test_fit_skips_nan_batches_bit_for_bit(dynamic, expected_scales):
+    scale = {"initial_scale": 8.0, "dynamic_growth_steps": 2}
+    if not dynamic:
+        scale = {"dynamic": False, "initial_scale": 64.0}
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.Adam(0.01), **scale)
+    model = training.model()
+    model.compile(optimizer=optimizer, loss="mse")
+    optimizer.build(model.trainable_variables)
+    bad = {1, 4}
+    x, y = training.nan_batches(bad)
+    record = rel.Record()
+    model.fit(
+        x, y, batch_size=BATCH_SIZE, shuffle=False, verbose=0,
+        callbacks=[record],
+    )  # fmt: skip
+
+    rel.assert_skipped_exactly(record.states, bad)
+    assert rel.scales(record.states[1:]) == expected_scales
+    assert int(optimizer.skipped_steps) == 2
+    assert int(optimizer.iterations) == 4
+    # The skipped batches were as good as absent: plain Adam on the four
+    # finite batches ends in the same weights and slots, bit for bit.
+    finite = [b for b in range(6) if b not in bad]
+    rows = np.concatenate(
+        [np.arange(b * BATCH_SIZE, (b + 1) * BATCH_SIZE) for b in finite]
+    )
+    plain = training.model()
+    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    plain.fit(x[rows], y[rows], batch_size=BATCH_SIZE, shuffle=False, verbose=0)
+    training.assert_weights_equal(model.get_weights(), plain.get_weights())
+    training.assert_weights_equal(
+        training.values(optimizer.inner_optimizer.variables),
+        training.values(plain.optimizer.variables),
+    )
 
 
 def test_keras_file_keeps_the_scale_and_counter(tmp_path):

@@ -1,7 +1,7 @@
 """kmp.LossScaleOptimizer on Keras's torch backend.
 
-The guarantees of the TensorFlow backend, on torch: `fit` skips a step
-with a NaN batch bit for bit, dynamic or fixed; the custom loop
+The guarantees of the TensorFlow backend, on torch (`fit`'s skips are in
+`tests/core/test_jax_and_torch.py`, over both backends): the custom loop
 (`loss.backward()` on `get_scaled_loss(loss)`, then
 `get_unscaled_gradients` and `apply_gradients`, or Keras 3's `scale_loss`
 with the scaled gradients straight to `apply_gradients`) gives the float32
@@ -10,7 +10,6 @@ keeps the scale and counter.
 """
 
 import keras
-import numpy as np
 import pytest
 
 import kmp
@@ -29,56 +28,6 @@ backends.require("torch")
 pytestmark = pytest.mark.torch
 
 import torch  # noqa: E402
-
-# --- fit ----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "dynamic, expected_scales",
-    [
-        (True, [8.0, 4.0, 4.0, 8.0, 4.0, 4.0]),
-        (False, [64.0] * 6),
-    ],
-    ids=["dynamic", "fixed"],
-)
-def test_fit_skips_nan_batches_bit_for_bit(dynamic, expected_scales):
-    scale = {"initial_scale": 8.0, "dynamic_growth_steps": 2}
-    if not dynamic:
-        scale = {"dynamic": False, "initial_scale": 64.0}
-    optimizer = kmp.LossScaleOptimizer(keras.optimizers.Adam(0.01), **scale)
-    model = training.model()
-    model.compile(optimizer=optimizer, loss="mse")
-    optimizer.build(model.trainable_variables)
-    bad = {1, 4}
-    x, y = training.nan_batches(bad)
-    record = rel.Record()
-    model.fit(
-        x, y, batch_size=BATCH_SIZE, shuffle=False, verbose=0,
-        callbacks=[record],
-    )  # fmt: skip
-
-    rel.assert_skipped_exactly(record.states, bad)
-    assert rel.scales(record.states[1:]) == expected_scales
-    assert int(optimizer.skipped_steps) == 2
-    assert int(optimizer.iterations) == 4
-    # The skipped batches were as good as absent: plain Adam on the four
-    # finite batches ends in the same weights and slots, bit for bit.
-    rows = np.concatenate(
-        [
-            np.arange(b * BATCH_SIZE, (b + 1) * BATCH_SIZE)
-            for b in range(6)
-            if b not in bad
-        ]
-    )
-    plain = training.model()
-    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    plain.fit(x[rows], y[rows], batch_size=BATCH_SIZE, shuffle=False, verbose=0)
-    training.assert_weights_equal(model.get_weights(), plain.get_weights())
-    training.assert_weights_equal(
-        training.values(optimizer.inner_optimizer.variables),
-        training.values(plain.optimizer.variables),
-    )
-
 
 # --- The custom loop ----------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Tests for kmp.core.optimizer_state and kmp.core.tensorflow.checkpoint:
+"""Tests for kmp.core.optimizer_files and kmp.core.tensorflow.checkpoint:
 saving and restoring a LossScaleOptimizer.
 
 `get_config` / `from_config` and `keras.saving` round-trip its settings; the
