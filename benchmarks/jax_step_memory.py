@@ -5,7 +5,8 @@ For the MLP of `eight_bit.py`'s peak-memory rows (2048-4096-4096-4096-10,
 weights (`bfloat16`: no kmp, bfloat16 moments; what XLA holds for this
 step's forward and backward pass with bfloat16 weights, the floor of the
 rows after it) and bfloat16 weights with 8-bit, 4-bit and float8 moments
-(`kmp.LowPrecisionOptimizer`, stochastic rounding), this compiles Keras's train step as Keras's JAX trainer does
+(`kmp.LowPrecisionOptimizer`, stochastic rounding), this compiles
+Keras's train step as Keras's JAX trainer does
 (`jax.jit(model.train_step, donate_argnums=0)`) and reads XLA's own
 accounting of it (`compiled.memory_analysis()`): the arguments (weights,
 optimizer state: donated, so aliased to the outputs) and the temporaries
