@@ -1,0 +1,244 @@
+"""The optimizer update alone, low-bit state against float32 Adam.
+
+On the variables of `eight_bit.py`'s peak-memory MLP (2048-4096-4096-4096-10,
+42M parameters) and fixed gradients, this times the update alone, with no
+forward or backward pass, for float32 Adam (float32 weights), Keras's Adam
+alone on bfloat16 weights (16-bit moments, no kmp) and bfloat16 weights with
+8-bit, 4-bit and float8 moments (`kmp.LowPrecisionOptimizer`, `--rounding`,
+stochastic by default as in `eight_bit.py`'s peak rows). Each backend's
+update as its trainer runs it: on JAX `optimizer.stateless_apply` jitted
+with the weights and the optimizer's values donated (as Keras's JAX trainer
+does); on TensorFlow `optimizer.apply` in a `tf.function` (`--jit`: with
+XLA); on torch `optimizer.apply`, eager (kmp's compiled update where
+`KMP_TORCH_COMPILE` allows it).
+
+After two warm-up updates (compiling happens there), `--rounds` rounds: in
+each, every configuration in turn (the order rotated each round) runs
+`--steps` updates, each timed to its end; per round the median per
+configuration, and its ratio to float32 Adam's in the same round (a paired
+ratio: the same load on the machine). Reported: the median ratio over the
+rounds with its smallest and largest. On JAX also the passes over the
+largest kernel's gradient in the compiled update
+(`step_counting.passes.gradient_passes`): how many kernels read it.
+
+    KERAS_BACKEND=jax python benchmarks/low_bit_update.py [--quick]
+    KERAS_BACKEND=tensorflow python benchmarks/low_bit_update.py [--jit]
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kmp  # noqa: E402
+
+UNITS = (2048, 4096, 4096, 4096)
+QUICK_UNITS = (32, 64, 64, 64)
+CONFIGURATIONS = ("float32", "bf16 Adam", "8bit", "4bit", "float8")
+GOAL = 1.3
+
+
+def _model(configuration, units):
+    policy = "float32" if configuration == "float32" else "bfloat16"
+    with kmp.policy_scope(policy):
+        layers = [keras.Input((units[0],))]
+        layers += [keras.layers.Dense(u, activation="relu") for u in units[1:]]
+        layers += [keras.layers.Dense(10)]
+        return keras.Sequential(layers)
+
+
+def _optimizer(configuration, rounding):
+    optimizer = keras.optimizers.Adam(1e-4)
+    if configuration in ("float32", "bf16 Adam"):
+        return optimizer
+    return kmp.LowPrecisionOptimizer(
+        optimizer, rounding, slot_dtype=configuration, seed=0
+    )
+
+
+class _Update:
+    """One configuration's variables, optimizer, gradients and update."""
+
+    def __init__(self, configuration, units, rounding, jit):
+        self.configuration = configuration
+        self.model = _model(configuration, units)
+        weights = self.model.trainable_variables
+        self.optimizer = _optimizer(configuration, rounding)
+        self.optimizer.build(weights)
+        rng = np.random.default_rng(0)
+        self.grads = [
+            keras.ops.convert_to_tensor(
+                (1e-3 * rng.standard_normal(w.shape)).astype("float32"),
+                w.dtype,
+            )
+            for w in weights
+        ]
+        self.passes = None
+        backend = keras.backend.backend()
+        if backend == "jax":
+            self._jax()
+        elif backend == "tensorflow":
+            import tensorflow as tf
+
+            self._run = tf.function(
+                lambda: self.optimizer.apply(self.grads, weights),
+                jit_compile=jit,
+            )
+        else:
+            self._run = lambda: self.optimizer.apply(self.grads, weights)
+
+    def _jax(self):
+        import jax
+
+        from benchmarks.step_counting import passes
+
+        optimizer = self.optimizer
+
+        def update(trainable, values, grads):
+            return optimizer.stateless_apply(values, grads, trainable)
+
+        self.trainable = [v.value for v in self.model.trainable_variables]
+        self.values = [v.value for v in optimizer.variables]
+        jitted = jax.jit(update, donate_argnums=(0, 1))
+        text = jitted.lower(self.trainable, self.values, self.grads)
+        text = text.compile().as_text()
+        sizes = [int(np.prod(g.shape)) for g in self.grads]
+        largest = sizes.index(max(sizes))
+        first = len(self.trainable) + len(self.values)
+        (self.passes,) = passes.gradient_passes(text, [first + largest])
+
+        def run():
+            self.trainable, self.values = jitted(
+                self.trainable, self.values, self.grads
+            )
+            jax.block_until_ready(self.trainable)
+
+        self._run = run
+
+    def time_once(self):
+        started = time.perf_counter()
+        self._run()
+        if keras.backend.backend() == "torch":
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        return 1000 * (time.perf_counter() - started)
+
+    def state_bytes(self):
+        return sum(
+            int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+            for v in self.optimizer.variables
+        )
+
+
+def measure(configurations, units, rounding, rounds, steps, jit):
+    updates = [_Update(c, units, rounding, jit) for c in configurations]
+    for update in updates:  # Warm-up: compiling happens here.
+        update.time_once()
+        update.time_once()
+    per_round = {u.configuration: [] for u in updates}
+    for index in range(rounds):
+        shift = index % len(updates)
+        for update in updates[shift:] + updates[:shift]:
+            times = [update.time_once() for _ in range(steps)]
+            per_round[update.configuration].append(statistics.median(times))
+    reference = per_round.get("float32")
+    rows = []
+    for update in updates:
+        times = per_round[update.configuration]
+        row = {
+            "configuration": update.configuration,
+            "update_ms": statistics.median(times),
+            "state_mb": update.state_bytes() / 2**20,
+            "passes_largest_gradient": update.passes,
+        }
+        if reference:
+            ratios = [t / r for t, r in zip(times, reference)]
+            row["ratio"] = statistics.median(ratios)
+            row["ratio_low"] = min(ratios)
+            row["ratio_high"] = max(ratios)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny MLP")
+    parser.add_argument("--configurations", default=",".join(CONFIGURATIONS))
+    parser.add_argument(
+        "--rounding", default="stochastic", help="LowPrecisionOptimizer's"
+    )
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--jit", action="store_true", help="TensorFlow: jit_compile=True"
+    )
+    parser.add_argument("--output", help="write the rows as JSON")
+    args = parser.parse_args(argv)
+    configurations = [c for c in args.configurations.split(",") if c]
+    unknown = sorted(set(configurations) - set(CONFIGURATIONS))
+    if unknown:
+        parser.error(
+            f"unknown configurations {unknown}; choose from {CONFIGURATIONS}"
+        )
+    if args.rounds < 1 or args.steps < 1:
+        parser.error("--rounds and --steps must be at least 1")
+    units = QUICK_UNITS if args.quick else UNITS
+    backend = keras.backend.backend()
+    rows = measure(
+        configurations, units, args.rounding, args.rounds, args.steps, args.jit
+    )
+    print(
+        f"The update alone on {backend}"
+        f"{' (XLA)' if args.jit and backend == 'tensorflow' else ''}, "
+        f"MLP {'-'.join(map(str, units))}-10, {args.rounds} rounds of "
+        f"{args.steps}, rounding {args.rounding}; goal <= {GOAL}x float32 "
+        "Adam's:"
+    )
+    print(
+        f"{'configuration':14} {'update ms':>10} {'/ float32 [low-high]':>24} "
+        f"{'state MB':>9} {'passes':>7}"
+    )
+    for row in rows:
+        ratio = "-"
+        if "ratio" in row:
+            ratio = (
+                f"{row['ratio']:.2f}x [{row['ratio_low']:.2f}-"
+                f"{row['ratio_high']:.2f}]"
+            )
+        passes = row["passes_largest_gradient"]
+        print(
+            f"{row['configuration']:14} {row['update_ms']:10.1f} {ratio:>24} "
+            f"{row['state_mb']:9.1f} {'-' if passes is None else passes:>7}"
+        )
+    if args.output:
+        document = {
+            "backend": backend,
+            "jit": args.jit,
+            "units": units,
+            "rounding": args.rounding,
+            "rounds": args.rounds,
+            "steps": args.steps,
+            "machine": {
+                "processor": platform.processor() or platform.machine(),
+                "cores": os.cpu_count(),
+            },
+            "records": rows,
+        }
+        with open(args.output, "w") as file:
+            json.dump(document, file, indent=1)
+        print(f"Wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
