@@ -26,7 +26,10 @@ batches and reports, per configuration:
   4096-4096-10, batch 16), each configuration in a process of its own:
   the peak resident size during 3 steps after the first (compiling) one
   (Linux's VmHWM, reset through /proc/self/clear_refs), less the
-  process's size before the model was built.
+  process's size before the model was built; `--embedding-memory` does
+  the same for a classifier whose largest variable is an
+  Embedding(65536, 512) table (batches of 16 x 64 tokens: a sparse
+  gradient on TensorFlow), into the backend's existing file.
 
 On torch also PyTorch's own side by side on the same Keras model's
 parameters, data and steps (a torch loop): `torch.optim.AdamW`, torchao's
@@ -99,6 +102,9 @@ QUICK_EPOCHS = 1
 # docs' tables: their runs shared the cores with other work (2026-11-29).
 TIMED_APART = ("language",)
 MEMORY_UNITS = (2048, 4096, 4096, 4096)
+# `--embedding-memory`'s table (33.6M parameters) and tokens per example.
+EMBEDDING_SHAPE = (65536, 512)
+EMBEDDING_TOKENS = 64
 
 
 def _policy(configuration):
@@ -232,22 +238,45 @@ def _rss_bytes() -> int:
     return 0
 
 
-def memory_child(configuration, quick):
-    """In a process of its own: the peak memory of training the MLP."""
+def _memory_layers(model_name, quick, rng):
+    """`(layers, x, y)` of a peak-memory model: the 42M-parameter MLP, or
+    (`"embedding"`) a table of `EMBEDDING_SHAPE` whose rows a batch of
+    tokens meets few of (its gradient is sparse on TensorFlow), averaged
+    into a classifier."""
+    import keras
+
+    y = rng.integers(0, 10, size=(16,))
+    if model_name == "embedding":
+        rows, width = (2048, 16) if quick else EMBEDDING_SHAPE
+        x = rng.integers(0, rows, size=(16, EMBEDDING_TOKENS))
+        layers = [
+            keras.Input((EMBEDDING_TOKENS,), dtype="int32"),
+            keras.layers.Embedding(rows, width),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(10),
+        ]
+        return layers, x, y
+    units = (32, 64, 64, 64) if quick else MEMORY_UNITS
+    x = rng.normal(size=(16, units[0])).astype("float32")
+    layers = [keras.Input((units[0],))]
+    layers += [keras.layers.Dense(u, activation="relu") for u in units[1:]]
+    layers += [keras.layers.Dense(10)]
+    return layers, x, y
+
+
+def memory_child(configuration, quick, model_name="mlp"):
+    """In a process of its own: the peak memory of training a model (the
+    MLP, or `"embedding"`) beyond the process's memory before it is
+    built."""
     import keras
     import numpy as np
 
-    units = (32, 64, 64, 64) if quick else MEMORY_UNITS
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(16, units[0])).astype("float32")
-    y = rng.integers(0, 10, size=(16,))
     import kmp
 
     before = _rss_bytes()
     with kmp.policy_scope(_policy(configuration)):
-        layers = [keras.Input((units[0],))]
-        layers += [keras.layers.Dense(u, activation="relu") for u in units[1:]]
-        layers += [keras.layers.Dense(10)]
+        layers, x, y = _memory_layers(model_name, quick, rng)
         layers += [keras.layers.Activation("softmax", dtype="float32")]
         model = keras.Sequential(layers)
     optimizer = _optimizer(configuration, 1e-4)
@@ -265,6 +294,7 @@ def memory_child(configuration, quick):
         json.dumps(
             {
                 "configuration": configuration,
+                "model": model_name,
                 "peak_mb": (peak - before) / 2**20,
                 "peak_with_compiling_mb": (with_compiling * 1024 - before)
                 / 2**20,
@@ -350,11 +380,12 @@ def _peak_bytes() -> int:
     return 0
 
 
-def measure_memory(quick, configurations=CONFIGURATIONS):
+def measure_memory(quick, configurations=CONFIGURATIONS, model_name="mlp"):
     records = []
     for configuration in configurations:
         result = subprocess.run(
             [sys.executable, __file__, "--memory-child", configuration]
+            + ["--memory-model", model_name]
             + (["--quick"] if quick else []),
             capture_output=True,
             text=True,
@@ -696,7 +727,9 @@ def summarize(output=None):
         json.loads(path.read_text())
         for path in sorted((RESULTS / "eight_bit").glob("*.json"))
     ]
-    bytes_, accuracy, speed, peak, side, rss, split = ([] for _ in range(7))
+    bytes_, accuracy, speed, peak, side, rss, split, embedding = (
+        [] for _ in range(8)
+    )
     loss = {"transformer": [], "language": []}
     for document in documents:
         backend, records = document["backend"], document["records"]
@@ -766,6 +799,14 @@ def summarize(output=None):
                 )
         for row in document["memory"]:
             peak.append(
+                {
+                    "group": backend,
+                    "series": row["configuration"],
+                    "value": row["peak_mb"],
+                }
+            )
+        for row in document.get("embedding_memory") or ():
+            embedding.append(
                 {
                     "group": backend,
                     "series": row["configuration"],
@@ -863,6 +904,17 @@ def summarize(output=None):
             "measurements": peak,
         },
     ]
+    if embedding:
+        tables.append(
+            {
+                "caption": "Peak process memory growth (MB), an "
+                "Embedding(65536, 512) classifier",
+                "unit": "MB",
+                "decimals": 0,
+                "better": "lower",
+                "measurements": embedding,
+            }
+        )
     if split:
         tables.append(
             {
@@ -957,7 +1009,19 @@ def main(argv=None):
         help="the 42M-parameter MLP's step with large variables updated "
         "in parts and whole, into the backend's existing file",
     )
+    parser.add_argument(
+        "--embedding-memory",
+        action="store_true",
+        help="the peak-memory processes on an Embedding(65536, 512) "
+        "classifier, into the backend's existing file",
+    )
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--memory-model",
+        default="mlp",
+        choices=("mlp", "embedding"),
+        help=argparse.SUPPRESS,
+    )
     parser.add_argument(
         "--side-by-side-only",
         action="store_true",
@@ -979,7 +1043,7 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
     if args.memory_child:
-        memory_child(args.memory_child, args.quick)
+        memory_child(args.memory_child, args.quick, args.memory_model)
     elif args.side_by_side_only:
         path = pathlib.Path(args.output or RESULTS / "eight_bit" / "torch.json")
         document = json.loads(path.read_text())
@@ -1018,6 +1082,27 @@ def main(argv=None):
             )
             path.write_text(json.dumps(document, indent=1) + "\n")
             print(f"Wrote {path}")
+    elif args.embedding_memory:
+        path = pathlib.Path(
+            args.output or RESULTS / "eight_bit" / f"{_backend_name()}.json"
+        )
+        configurations = CONFIGURATIONS
+        if args.configurations:
+            configurations = args.configurations.split(",")
+        rows = measure_memory(args.quick, configurations, "embedding")
+        for row in rows:
+            print(
+                f"embedding memory {row['configuration']:22}: state "
+                f"{row['state_mb']:.0f} MB, peak {row['peak_mb']:.0f} MB",
+                flush=True,
+            )
+        document = json.loads(path.read_text()) if path.exists() else {}
+        document["embedding_memory"] = rows
+        document["embedding_memory_command"] = " ".join(
+            ["python", "benchmarks/eight_bit.py"] + sys.argv[1:]
+        )
+        path.write_text(json.dumps(document, indent=1) + "\n")
+        print(f"Wrote {path}")
     elif args.summary:
         summarize(args.output)
     else:

@@ -185,6 +185,24 @@ def test_script_runs_on_this_backend(name, tmp_path):
         assert passes["float32"] == expected
 
 
+@pytest.mark.tensorflow  # One backend: the children's code is the MLP's.
+def test_eight_bit_measures_an_embedding_models_peak(tmp_path):
+    """`--embedding-memory`: a process of its own per configuration, on an
+    embedding classifier (a sparse gradient on TensorFlow), added to the
+    output file beside what it held."""
+    output = tmp_path / "eight_bit.json"
+    output.write_text(json.dumps({"backend": "tensorflow", "kept": 1}))
+    args = ["--embedding-memory", "--quick", "--output", str(output)]
+    args += ["--configurations", "bf16 + 8-bit state"]
+    _smoke("eight_bit.py", args, "embedding memory", tmp_path)
+    document = json.loads(output.read_text())
+    assert document["kept"] == 1
+    (row,) = document["embedding_memory"]
+    assert row["model"] == "embedding"
+    assert row["configuration"] == "bf16 + 8-bit state"
+    assert row["state_mb"] > 0 and row["peak_mb"] > 0
+
+
 @pytest.mark.jax
 @pytest.mark.parametrize("name", sorted(JAX_ONLY))
 def test_jax_script_runs_in_tiny_mode(name, tmp_path):
