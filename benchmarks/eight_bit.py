@@ -1086,10 +1086,7 @@ def main(argv=None):
         path = pathlib.Path(
             args.output or RESULTS / "eight_bit" / f"{_backend_name()}.json"
         )
-        configurations = CONFIGURATIONS
-        if args.configurations:
-            configurations = args.configurations.split(",")
-        rows = measure_memory(args.quick, configurations, "embedding")
+        rows = measure_memory(args.quick, _configurations(args), "embedding")
         for row in rows:
             print(
                 f"embedding memory {row['configuration']:22}: state "

@@ -185,6 +185,17 @@ def test_script_runs_on_this_backend(name, tmp_path):
         assert passes["float32"] == expected
 
 
+@pytest.mark.tensorflow  # The argument checks: the same on every backend.
+def test_low_bit_update_refuses_what_it_cannot_measure(tmp_path):
+    for args, message in (
+        (["--configurations", "float32,2bit"], "unknown configurations"),
+        (["--rounds", "0"], "--rounds and --steps must be at least 1"),
+    ):
+        result = _run([str(BENCHMARKS / "low_bit_update.py"), *args], tmp_path)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert message in result.stderr
+
+
 @pytest.mark.tensorflow  # One backend: the children's code is the MLP's.
 def test_eight_bit_measures_an_embedding_models_peak(tmp_path):
     """`--embedding-memory`: a process of its own per configuration, on an
@@ -201,6 +212,14 @@ def test_eight_bit_measures_an_embedding_models_peak(tmp_path):
     assert row["model"] == "embedding"
     assert row["configuration"] == "bf16 + 8-bit state"
     assert row["state_mb"] > 0 and row["peak_mb"] > 0
+    bad = _run(
+        [str(BENCHMARKS / "eight_bit.py"), "--embedding-memory", "--quick"]
+        + ["--configurations", "bf16 + 2-bit state", "--output", str(output)],
+        tmp_path,
+    )
+    assert bad.returncode != 0
+    assert "unknown ['bf16 + 2-bit state']" in bad.stderr
+    assert json.loads(output.read_text()) == document  # Nothing written.
 
 
 @pytest.mark.jax
