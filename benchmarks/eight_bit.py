@@ -102,6 +102,7 @@ QUICK_EPOCHS = 1
 # docs' tables: their runs shared the cores with other work (2026-11-29).
 TIMED_APART = ("language",)
 MEMORY_UNITS = (2048, 4096, 4096, 4096)
+QUICK_MEMORY_UNITS = (32, 64, 64, 64)
 # `--embedding-memory`'s table (33.6M parameters) and tokens per example.
 EMBEDDING_SHAPE = (65536, 512)
 EMBEDDING_TOKENS = 64
@@ -238,6 +239,18 @@ def _rss_bytes() -> int:
     return 0
 
 
+def mlp_layers(units):
+    """The peak-memory MLP's layers (`MEMORY_UNITS`, or the quick
+    `QUICK_MEMORY_UNITS`): an input of `units[0]`, ReLU layers of the
+    rest, 10 logits (also `jax_step_memory.py`'s and
+    `low_bit_update.py`'s)."""
+    import keras
+
+    layers = [keras.Input((units[0],))]
+    layers += [keras.layers.Dense(u, activation="relu") for u in units[1:]]
+    return layers + [keras.layers.Dense(10)]
+
+
 def _memory_layers(model_name, quick, rng):
     """`(layers, x, y)` of a peak-memory model: the 42M-parameter MLP, or
     (`"embedding"`) a table of `EMBEDDING_SHAPE` whose rows a batch of
@@ -256,12 +269,9 @@ def _memory_layers(model_name, quick, rng):
             keras.layers.Dense(10),
         ]
         return layers, x, y
-    units = (32, 64, 64, 64) if quick else MEMORY_UNITS
+    units = QUICK_MEMORY_UNITS if quick else MEMORY_UNITS
     x = rng.normal(size=(16, units[0])).astype("float32")
-    layers = [keras.Input((units[0],))]
-    layers += [keras.layers.Dense(u, activation="relu") for u in units[1:]]
-    layers += [keras.layers.Dense(10)]
-    return layers, x, y
+    return mlp_layers(units), x, y
 
 
 def memory_child(configuration, quick, model_name="mlp"):
@@ -316,7 +326,7 @@ def parts_timing(quick, rounds=6):
     import kmp
     from kmp.core import parts
 
-    units = (32, 64, 64, 64) if quick else MEMORY_UNITS
+    units = QUICK_MEMORY_UNITS if quick else MEMORY_UNITS
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, units[0])).astype("float32")
     y = rng.integers(0, 10, size=(16,))
@@ -327,11 +337,7 @@ def parts_timing(quick, rounds=6):
         for label, size in (("whole", 2**62), ("parts", default)) * 2:
             parts.PART_ELEMENTS = size
             with kmp.policy_scope("bfloat16"):
-                layers = [keras.Input((units[0],))]
-                layers += [
-                    keras.layers.Dense(u, activation="relu") for u in units[1:]
-                ]
-                layers += [keras.layers.Dense(10)]
+                layers = mlp_layers(units)
                 layers += [keras.layers.Activation("softmax", dtype="float32")]
                 model = keras.Sequential(layers)
             optimizer = kmp.LowPrecisionOptimizer(

@@ -27,14 +27,15 @@ import sys
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
+import eight_bit  # noqa: E402
 import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kmp  # noqa: E402
 
-UNITS = (2048, 4096, 4096, 4096)
-QUICK_UNITS = (32, 64, 64, 64)
+UNITS = eight_bit.MEMORY_UNITS
+QUICK_UNITS = eight_bit.QUICK_MEMORY_UNITS
 CONFIGURATIONS = ("float32", "bfloat16", "8bit", "4bit", "float8")
 MB = 2**20
 _SHAPE = re.compile(r"= \w+\[([0-9,]*)\]\S* copy\(")
@@ -43,9 +44,7 @@ _SHAPE = re.compile(r"= \w+\[([0-9,]*)\]\S* copy\(")
 def _model(configuration, units):
     policy = "float32" if configuration == "float32" else "bfloat16"
     with kmp.policy_scope(policy):
-        layers = [keras.Input((units[0],))]
-        layers += [keras.layers.Dense(u, activation="relu") for u in units[1:]]
-        layers += [keras.layers.Dense(10)]
+        layers = eight_bit.mlp_layers(units)
         layers += [keras.layers.Activation("softmax", dtype="float32")]
         model = keras.Sequential(layers)
     optimizer = keras.optimizers.Adam(1e-4)

@@ -36,13 +36,14 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import eight_bit  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kmp  # noqa: E402
 
-UNITS = (2048, 4096, 4096, 4096)
-QUICK_UNITS = (32, 64, 64, 64)
+UNITS = eight_bit.MEMORY_UNITS
+QUICK_UNITS = eight_bit.QUICK_MEMORY_UNITS
 CONFIGURATIONS = ("float32", "bf16 Adam", "8bit", "4bit", "float8")
 GOAL = 1.3
 
@@ -50,10 +51,7 @@ GOAL = 1.3
 def _model(configuration, units):
     policy = "float32" if configuration == "float32" else "bfloat16"
     with kmp.policy_scope(policy):
-        layers = [keras.Input((units[0],))]
-        layers += [keras.layers.Dense(u, activation="relu") for u in units[1:]]
-        layers += [keras.layers.Dense(10)]
-        return keras.Sequential(layers)
+        return keras.Sequential(eight_bit.mlp_layers(units))
 
 
 def _optimizer(configuration, rounding):
