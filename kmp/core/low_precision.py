@@ -47,7 +47,8 @@ where no variable needs rounding, and Adam's and AdamW's update of each
 variable compiled with `torch.compile` (`kmp.core.torch.compiled`; the
 environment variable `KMP_TORCH_COMPILE=0` keeps it eager); on JAX
 (`kmp.core.jax.low_precision`) nothing more. On all three, large variables
-with quantized slots are updated in parts, which bounds the temporaries
+with quantized slots, or with 16-bit weights or slots under Adam,
+AdamW, Lion or SGD, are updated in parts, which bounds the temporaries
 (`kmp.core.parts`).
 On JAX the whole update is pure, so `stateless_apply` (which `fit` and a
 jitted loop call) works as for any Keras optimizer.
@@ -208,6 +209,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         object.__setattr__(self, "_compiled", {})
         object.__setattr__(self, "_plan", plan)
         object.__setattr__(self, "_located", {})
+        object.__setattr__(self, "_plain_slots", {})
 
     @property
     def inner_optimizer(self) -> keras.optimizers.Optimizer:
@@ -285,6 +287,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             and not any(_is_float16(variable.dtype) for variable in var_list)
         ):
             inner.build(var_list)
+            self._locate_plain()
             return
         original = inner.add_variable
 
@@ -308,6 +311,17 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         object.__setattr__(
             self, "_located", quantized_slots.locate(inner, slots)
         )
+        self._locate_plain()
+
+    def _locate_plain(self):
+        """Where the inner optimizer keeps each variable's plain slots,
+        for its update in parts (`kmp.core.parts`; elementwise updates
+        only)."""
+        inner = self._inner_optimizer
+        plain = {}
+        if type(inner).update_step in quantized_slots.SUPPORTED:
+            plain = parts.locate_plain(inner, self._located, rounding.is_low)
+        object.__setattr__(self, "_plain_slots", plain)
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
@@ -379,6 +393,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
                 self, variable, model_variable, compensation, dtype
             )
             slot_view, write = _steps.slot_view, self.assign
+            plain_view = None
         else:
             view = _steps.part_view(
                 self, variable, model_variable, compensation, dtype, part
@@ -387,16 +402,24 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             def slot_view(slot):
                 return _steps.slot_part_view(slot, part)
 
+            def plain_view(slot):
+                return _steps.plain_part_view(slot, part)
+
             def write(target, value):
                 part.write(target, part.start, value)
 
         self._decay(view, model_variable, learning_rate)
-        with quantized_slots.views(self._located, index, slot_view) as pairs:
+        plain = {} if part is None else self._plain_slots
+        with (
+            quantized_slots.views(self._located, index, slot_view) as pairs,
+            parts.plain_views(plain, index, plain_view) as plains,
+        ):
             type(inner).update_step(inner, gradient, view, learning_rate)
         if part is None:
             quantized_slots.write_back(self, pairs, _steps.nearest_code)
         else:
             parts.write_back(pairs, _steps.nearest_code, part)
+            parts.write_plain(plains, part)
         if not view.written:
             return
         value = view.value

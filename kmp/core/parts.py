@@ -1,4 +1,5 @@
-"""Large variables' updates with quantized slots in parts, one after another.
+"""Large variables' updates with low-precision state in parts, one after
+another.
 
 With `slot_dtype="8bit"` (or `"4bit"`, `"float8"`),
 `kmp.LowPrecisionOptimizer` runs a variable's
@@ -10,7 +11,13 @@ whose slots are quantized is updated in parts of `PART_ELEMENTS` (a whole
 number of blocks): each part reads its slice of the weights, the
 compensation and the slots' codes and scales, and writes it back, before
 the next part starts, so the temporaries are those of one part (about
-4 MB each).
+4 MB each). So is a large variable whose weights or plain slots are 16-bit
+(bfloat16 weights, `slot_dtype="bfloat16"`, or slots that follow their
+bfloat16 variable): its update in float32, whole, would make float32
+temporaries of the whole variable, which peak above float32 Adam's
+(`benchmarks/eight_bit.py --embedding-memory`); each part reads and
+writes its slice of the plain slots (`plain_views`), rounded to their
+dtype at each assignment, as a whole update rounds them.
 
 How the parts run is the backend's (its module's `update_in_parts`):
 
@@ -36,6 +43,7 @@ each device updates its own shard, whose temporaries are the shard's, where
 flat parts would gather the variable onto every device.
 """
 
+import contextlib
 import math
 
 from keras import ops
@@ -50,20 +58,94 @@ def bounds(optimizer, index, update_in_parts):
     """`[(start, stop), ...]`: the parts of trainable variable `index`'s
     update, in order (flat indices); None to update it whole (also where
     the backend's `update_in_parts` is None)."""
-    located = optimizer._located.get(index)
-    if update_in_parts is None or not located:
+    if update_in_parts is None:
         return None
+    located = optimizer._located.get(index)
     variable = optimizer._trainable_variables[index]
+    if not located and index not in optimizer._plain_slots:
+        return None
     if getattr(variable, "constraint", None) is not None:
         return None
     if is_sharded(variable):
         return None
     size = math.prod(tuple(variable.shape))
-    block = located[0][1].block_size
+    block = located[0][1].block_size if located else 1
     step = max(1, PART_ELEMENTS // block) * block
     if size <= step:
         return None
     return [(start, min(start + step, size)) for start in range(0, size, step)]
+
+
+# The slot lists of the optimizers whose update is elementwise (Adam,
+# AdamW, Lion, SGD: `kmp.core.quantized_slots.SUPPORTED`), by Keras's names.
+SLOT_LISTS = ("_momentums", "_velocities", "_velocity_hats", "momentums")
+
+
+def locate_plain(inner, located, is_low):
+    """`{variable index: [(slot list, slot variable), ...]}`: the slots
+    shaped like their variable that are not quantized (in `located`), of
+    `inner` (an optimizer whose update is elementwise), for each variable
+    updated in parts where large: one with quantized slots, or whose
+    weights or plain slots are 16-bit (`is_low(dtype)`); an empty list
+    where it has none (SGD without momentum)."""
+    variables = inner._trainable_variables
+    quantized = {
+        id(slot.codes) for entries in located.values() for _, slot in entries
+    }
+    found = {index: [] for index in range(len(variables))}
+    for name in SLOT_LISTS:
+        slot_list = vars(inner).get(name)
+        if not isinstance(slot_list, list) or len(slot_list) != len(variables):
+            continue
+        for index, slot in enumerate(slot_list):
+            if slot is None or id(slot) in quantized:
+                continue
+            if tuple(slot.shape) == tuple(variables[index].shape):
+                found[index].append((slot_list, slot))
+    return {
+        index: slots
+        for index, slots in found.items()
+        if index in located
+        or any(
+            is_low(dtype)
+            for dtype in [variables[index].dtype, *(s.dtype for _, s in slots)]
+        )
+    }
+
+
+def plain_views(plain, index, view_class):
+    """Puts `view_class(slot)` (a part's stand-in) in place of each plain
+    slot of variable `index` (`plain`: what `locate_plain` found) in the
+    inner optimizer's slot lists, for the block; yields
+    `[(slot, view), ...]`."""
+    return in_place_of(plain.get(index, ()), index, view_class)
+
+
+@contextlib.contextmanager
+def in_place_of(entries, index, view_class, kept=lambda slot: slot):
+    """For each `(slot list, slot)` of `entries`, `view_class(slot)` at
+    `index` of the list for the block, then `kept(slot)` (what the list
+    held) again; yields `[(slot, view), ...]`."""
+    pairs = []
+    try:
+        for slot_list, slot in entries:
+            view = view_class(slot)
+            # list's own __setitem__: Keras's tracked lists must not track
+            # the view as a variable of the optimizer.
+            list.__setitem__(slot_list, index, view)
+            pairs.append((slot, view))
+        yield pairs
+    finally:
+        for slot_list, slot in entries:
+            list.__setitem__(slot_list, index, kept(slot))
+
+
+def write_plain(pairs, part):
+    """Writes what a part's update assigned to each plain slot's view into
+    the slot's slice (in the slot's dtype)."""
+    for slot, view in pairs:
+        if view.written:
+            part.write(slot, part.start, view.value)
 
 
 def is_sharded(variable) -> bool:
@@ -128,4 +210,15 @@ def write_back(pairs, nearest, part):
             part.write_slot(slot, view.value, nearest)
 
 
-__all__ = ["PART_ELEMENTS", "Part", "bounds", "is_sharded", "write_back"]
+__all__ = [
+    "PART_ELEMENTS",
+    "Part",
+    "SLOT_LISTS",
+    "bounds",
+    "in_place_of",
+    "is_sharded",
+    "locate_plain",
+    "plain_views",
+    "write_back",
+    "write_plain",
+]

@@ -21,7 +21,6 @@ quantized back into the codes and scales (`write_back`). The arithmetic
 stays the inner optimizer's own, in float32.
 """
 
-import contextlib
 import math
 import numbers
 import re
@@ -31,6 +30,7 @@ import numpy as np
 
 from kmp.core import checks
 from kmp.core import codes
+from kmp.core import parts
 from kmp.core import quantization
 
 # The quantized slot dtypes, by name (`kmp.core.codes.CODES`).
@@ -373,24 +373,12 @@ def locate(inner, slots):
     return found
 
 
-@contextlib.contextmanager
 def views(located, index, view_class):
     """Puts a float32 view (`view_class(slot)`) in place of each quantized
     slot of variable `index` in the inner optimizer's slot lists, for the
     block; yields `[(slot, view), ...]`."""
     entries = located.get(index, ())
-    pairs = []
-    try:
-        for slot_list, slot in entries:
-            view = view_class(slot)
-            # list's own __setitem__: Keras's tracked lists must not track
-            # the view as a variable of the optimizer.
-            list.__setitem__(slot_list, index, view)
-            pairs.append((slot, view))
-        yield pairs
-    finally:
-        for slot_list, slot in entries:
-            list.__setitem__(slot_list, index, slot.codes)
+    return parts.in_place_of(entries, index, view_class, lambda s: s.codes)
 
 
 def write_back(optimizer, pairs, nearest=None) -> None:

@@ -223,6 +223,23 @@ class DequantizedPartView(Float32View):
         return self._now
 
 
+class PlainPartView(Float32View):
+    """A part of a plain (not quantized) slot (`kmp.core.parts.Part`) as a
+    flat stand-in in the slot's own dtype: assignments round to it, as
+    assigning to the slot whole does."""
+
+    def __init__(self, slot, part):
+        super().__init__(slot, None, dtype_name(slot.dtype), (part.length,))
+        self.part = part
+
+    @property
+    def value(self):
+        if self._now is None:
+            self._now = ops.cast(self.part.of(self.variable), self._dtype)
+            self._read_version = _version(self._now)
+        return self._now
+
+
 def _version(tensor):
     """torch's count of in-place writes to `tensor`; None elsewhere."""
     return getattr(tensor, "_version", None)
@@ -234,6 +251,7 @@ __all__ = [
     "Float32View",
     "LOW_PRECISION_BITS",
     "PartView",
+    "PlainPartView",
     "dtype_name",
     "is_low",
     "round_with_noise",

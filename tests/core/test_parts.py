@@ -8,7 +8,9 @@ rounding), for each optimizer with 8-bit slots and every rounding, in
 every mode, under `tf.distribute` and JAX's `DataParallel`; on JAX the
 compiled step's temporaries shrink to a part's. Embeddings just over a part
 (whose gradients are sparse on TensorFlow) train in parts with every
-quantized slot dtype, in every mode and in `fit`, as updated whole.
+quantized slot dtype, in every mode and in `fit`, as updated whole. Plain
+16-bit slots (bfloat16 slots on float32 or bfloat16 weights) run in parts
+too, for every optimizer whose update is elementwise, as updated whole.
 """
 
 import keras
@@ -55,8 +57,9 @@ def _train(
 ):
     monkeypatch.setattr(parts, "PART_ELEMENTS", part)
     model = _model(policy)
+    small = SMALL if slot_dtype in QUANTIZED else {}
     optimizer = kmp.LowPrecisionOptimizer(
-        make(), rounding, slot_dtype=slot_dtype, seed=5, **SMALL
+        make(), rounding, slot_dtype=slot_dtype, seed=5, **small
     )
     optimizer.build(model.trainable_variables)
     step = stepper(optimizer, model.trainable_variables, mode)
@@ -111,7 +114,7 @@ def test_parts_of_4bit_and_float8_slots_give_the_whole_update(
     _same(whole, split)
 
 
-def _same(whole, split, bfloat16=False):
+def _same(whole, split, bfloat16=False, atol=1e-7):
     """torch: bit for bit. JAX, TensorFlow: within a float32 rounding (XLA
     may fuse a multiply and an add otherwise for a part's shape): a code
     on a midpoint may take its neighbour, a bfloat16 weight the next
@@ -131,7 +134,7 @@ def _same(whole, split, bfloat16=False):
                 got.astype(np.float64),
                 want.astype(np.float64),
                 rtol=2**-7 if bfloat16 else 1e-5,
-                atol=1e-7,
+                atol=atol,
                 err_msg=name,
             )
 
@@ -152,6 +155,71 @@ def test_bfloat16_weights_in_parts(monkeypatch, rounding):
         np.testing.assert_allclose(got, want, rtol=0, atol=limit)
         whole, split = whole[1:], split[1:]
     _same(whole, split, bfloat16=True)
+
+
+# Plain 16-bit slots: bfloat16 slots that follow bfloat16 weights, and
+# slot_dtype="bfloat16" on float32 weights.
+PLAIN = [("bfloat16", None), ("float32", "bfloat16")]
+
+
+def _plain_in_parts_and_whole(monkeypatch, policy, slot_dtype, make, mode):
+    """The states (whole, in parts) with plain slots; checks the kernel
+    ran in parts (and the whole run made none)."""
+    made = _count_parts(monkeypatch)
+    args = (policy, "nearest", make, mode)
+    split, optimizer = _train(monkeypatch, PART, *args, slot_dtype=slot_dtype)
+    assert not optimizer.quantized
+    assert parts.bounds(optimizer, 0, lambda *a: None)
+    assert parts.bounds(optimizer, 1, lambda *a: None) is None  # The bias.
+    assert (5 * PART, 5200 - 5 * PART) in made
+    made.clear()
+    whole, _ = _train(monkeypatch, 10**9, *args, slot_dtype=slot_dtype)
+    assert not made
+    slots = [v for v in optimizer.variables if tuple(v.shape) == (40, 130)]
+    assert slots and all(v.dtype == "bfloat16" for v in slots)
+    return whole, split
+
+
+@pytest.mark.usefixtures("eager_torch_update")
+@pytest.mark.parametrize(
+    "name, policy, slot_dtype, mode",
+    [("adam", *PLAIN[0], mode) for mode in MODES]
+    + [("adam", *PLAIN[1], MODES[-1])]
+    + [(name, *PLAIN[0], MODES[-1]) for name in ("adamw-amsgrad", "lion")]
+    + [("sgd-nesterov", *PLAIN[1], MODES[0])],
+)
+def test_plain_16bit_slots_in_parts_give_the_whole_update(
+    monkeypatch, name, policy, slot_dtype, mode
+):
+    """Adam in every mode; each elementwise optimizer; both kinds of
+    16-bit plain slots."""
+    make = OPTIMIZERS[name]
+    # Under XLA a bfloat16 slot on a midpoint may round the other way; the
+    # weight's update then moves by a fraction of itself (of about 1e-2).
+    _same(
+        *_plain_in_parts_and_whole(monkeypatch, policy, slot_dtype, make, mode),
+        bfloat16=True,
+        atol=1e-4,
+    )
+
+
+def test_float32_state_and_other_updates_stay_whole(monkeypatch):
+    """Parts only where the update is elementwise and its state 16-bit."""
+    monkeypatch.setattr(parts, "PART_ELEMENTS", PART)
+    for policy, inner, slot_dtype in [
+        ("float32", keras.optimizers.Adam(), None),
+        ("bfloat16", keras.optimizers.Adam(), "float32"),
+        ("bfloat16", keras.optimizers.Adagrad(), None),
+    ]:
+        model = _model(policy)
+        optimizer = kmp.LowPrecisionOptimizer(inner, slot_dtype=slot_dtype)
+        optimizer.build(model.trainable_variables)
+        got = parts.bounds(optimizer, 0, lambda *a: None)
+        # bfloat16 weights: in parts even with float32 slots.
+        assert (got is not None) == (
+            policy == "bfloat16"
+            and not (isinstance(inner, keras.optimizers.Adagrad))
+        ), (policy, inner, slot_dtype)
 
 
 @pytest.mark.jax
@@ -421,18 +489,20 @@ def _embedding_in_parts_and_whole(monkeypatch, slot_dtype, mode, grads, dense):
 
 
 @pytest.mark.usefixtures("eager_torch_update")
-@pytest.mark.parametrize("slot_dtype", QUANTIZED)
+@pytest.mark.parametrize("slot_dtype", QUANTIZED + ["bfloat16"])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_large_embedding_in_parts_gives_the_whole_update(
     monkeypatch, mode, slot_dtype
 ):
     """Its gradient (sparse, on TensorFlow) in parts gives the whole
-    update of it made dense (rows met twice summed), in every mode."""
+    update of it made dense (rows met twice summed), in every mode, with
+    every quantized slot dtype and plain bfloat16 slots."""
     grads = _embedding_gradients()
     _same(
         *_embedding_in_parts_and_whole(
             monkeypatch, slot_dtype, mode, grads, _dense
-        )
+        ),
+        bfloat16=slot_dtype == "bfloat16",
     )
 
 
@@ -481,13 +551,23 @@ def _fit_embedding(rows, ids, rounding, slot_dtype):
     assert not np.array_equal(table[looked_up], before[looked_up])
     others = np.setdiff1d(np.arange(rows), looked_up)
     np.testing.assert_array_equal(table[others], before[others])
+    if slot_dtype is None:  # bfloat16 slots, as the table.
+        slots = [slot for _, slot in optimizer._plain_slots[0]]
+        assert slots and all(slot.dtype == "bfloat16" for slot in slots)
+        assert all(numpy_of(slot)[looked_up].any() for slot in slots)
+        return
     slots = [slot for _, slot in optimizer._located[0]]
     assert slots and all(numpy_of(slot.scales).any() for slot in slots)
 
 
 @pytest.mark.parametrize(
     "rounding, slot_dtype",
-    [("stochastic", "8bit"), ("kahan", "4bit"), ("stochastic", "float8")],
+    [
+        ("stochastic", "8bit"),
+        ("kahan", "4bit"),
+        ("stochastic", "float8"),
+        ("kahan", None),
+    ],
 )
 def test_fit_trains_a_large_bfloat16_embedding(
     monkeypatch, rounding, slot_dtype

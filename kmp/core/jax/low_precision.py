@@ -10,6 +10,7 @@ slot_view = shared.slot_view
 nearest_code = shared.nearest_code
 part_view = shared.part_view
 slot_part_view = shared.slot_part_view
+plain_part_view = shared.plain_part_view
 update_in_parts = shared.update_in_parts
 
 

@@ -66,6 +66,11 @@ def slot_part_view(slot, part):
     return rounding.DequantizedPartView(slot, part)
 
 
+def plain_part_view(slot, part):
+    """The stand-in for `part` of a plain slot (in its own dtype)."""
+    return rounding.PlainPartView(slot, part)
+
+
 def update_in_parts(
     optimizer, gradient, learning_rate, variable, index, bounds
 ):
@@ -78,8 +83,9 @@ def update_in_parts(
     compensation = optimizer._compensations[index]
     if compensation is not None:
         targets.append(compensation)
-    for _, slot in optimizer._located[index]:
+    for _, slot in optimizer._located.get(index, ()):
         targets += [slot.codes, slot.scales]
+    targets += [slot for _, slot in optimizer._plain_slots.get(index, ())]
     keys = {id(t): n for n, t in enumerate(targets)}
     keys[id(model_variable)] = 0  # On TensorFlow `variable` may differ.
     gradient_dtype = rounding.dtype_name(gradient.dtype)
@@ -144,6 +150,7 @@ nearest_code = codes.nearest
 __all__ = [
     "clip_gradients",
     "part_view",
+    "plain_part_view",
     "slot_part_view",
     "update_in_parts",
     "nearest_code",

@@ -127,6 +127,11 @@ def slot_part_view(slot, part):
     return tf_rounding.DequantizedPartView(slot, part)
 
 
+def plain_part_view(slot, part):
+    """The stand-in for `part` of a plain slot (in its own dtype)."""
+    return tf_rounding.PlainPartView(slot, part)
+
+
 def part_view(optimizer, variable, model_variable, compensation, dtype, part):
     """The float32 stand-in for `part` of `variable` (`kmp.core.parts`)."""
     return tf_rounding.PartView(

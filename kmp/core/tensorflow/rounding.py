@@ -196,6 +196,24 @@ class DequantizedPartView(DequantizedView):
         return self._value
 
 
+class PlainPartView(Float32View):
+    """A part of a plain (not quantized) slot (`kmp.core.parts.Part`) as a
+    flat stand-in in the slot's own dtype: assignments round to it, as
+    assigning to the slot whole does."""
+
+    def __init__(self, slot, part):
+        super().__init__(slot, slot, None, None, slot.dtype)
+        self.part = part
+        self.shape = tf.TensorShape([part.length])
+
+    @property
+    def value(self):
+        if self._value is None:
+            value = tf.convert_to_tensor(self.part.of(self._variable))
+            self._value = tf.cast(value, self.dtype)
+        return self._value
+
+
 def _operator(function, reflected):
     def method(self, other):
         if reflected:

@@ -29,6 +29,7 @@ view = shared.view
 slot_view = shared.slot_view
 part_view = shared.part_view
 slot_part_view = shared.slot_part_view
+plain_part_view = shared.plain_part_view
 
 
 def update_in_parts(
