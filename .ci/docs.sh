@@ -10,11 +10,25 @@
 #   - opens the landing page, a guide, an API page and the performance page
 #     in headless Chromium, checks their code blocks, images and tables, and
 #     saves a screenshot of each to $KMP_CI_LOGS/docs (default .ci/logs/docs).
+# `bash .ci/docs.sh --browser` installs the browser only (.ci/run does, in
+# the background, while its first stage runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s)
 logs=${KMP_CI_LOGS:-.ci/logs}
 export TF_CPP_MIN_LOG_LEVEL=3 PIP_DISABLE_PIP_VERSION_CHECK=1
+
+install_browser() {
+  if [ ! -x /usr/bin/chromium ]; then
+    echo "installing Debian's chromium"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium > /dev/null
+  fi
+}
+if [ "${1:-}" = "--browser" ]; then
+  install_browser
+  exit 0
+fi
 
 if [ -z "${VIRTUAL_ENV:-}" ]; then
   rm -rf .ci/venv-docs
@@ -23,11 +37,7 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
   . .ci/venv-docs/bin/activate
 fi
 python -m pip install --quiet -e ".[cpu,docs,docs-browser]"
-if [ ! -x /usr/bin/chromium ]; then
-  echo "installing Debian's chromium"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium > /dev/null
-fi
+install_browser
 echo "installed in $(( $(date +%s) - started )) s"
 
 rm -rf docs/_build
