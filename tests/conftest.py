@@ -23,6 +23,14 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # tests run the eager update, the same arithmetic, except
 # tests/core/torch/test_compiled.py, which turns it on.
 os.environ.setdefault("KMP_TORCH_COMPILE", "0")
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+# As many xdist workers as cores (`-n auto`): one compute thread each (and in
+# the processes they start), instead of every worker's thread pools
+# contending for every core.
+ONE_THREAD = _workers > 1 and _workers >= len(os.sched_getaffinity(0))
+if ONE_THREAD:
+    os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch's intra-op pool
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
