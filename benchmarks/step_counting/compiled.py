@@ -24,6 +24,7 @@ inside `If` branches and `While` bodies, which run only when taken.
 """
 
 import collections
+import math
 import re
 
 # Instructions that launch no kernel of their own.
@@ -118,6 +119,46 @@ def _reached_opcodes(computations, name, seen=()):
                             found += _reached_opcodes(
                                 computations, called, seen + (name,)
                             )
+    return found
+
+
+_SHAPE = re.compile(r"=\s*\(?[a-z0-9]+\[([0-9,]*)\]")
+
+
+def hlo_large_copies(text: str, elements: int) -> dict:
+    """`{"in_loops": n, "outside": m}`: the buffer copies (as `hlo_copies`
+    counts them) of arrays of at least `elements` elements, those inside
+    a while loop's body or condition (each runs at every iteration) apart.
+
+    Raises:
+        ValueError: the text has no ENTRY computation.
+    """
+    computations, entry = _computations(text)
+    if entry is None:
+        raise ValueError("The HLO text has no ENTRY computation.")
+    found = {"in_loops": 0, "outside": 0}
+
+    def walk(name, in_loop, seen):
+        for line in computations.get(name, []):
+            code = hlo_opcode(line)
+            shape = _SHAPE.search(line)
+            if code in COPY_OPCODES and shape:
+                size = math.prod(int(d) for d in shape.group(1).split(",") if d)
+                if size >= elements:
+                    found["in_loops" if in_loop else "outside"] += 1
+            if code in ("conditional", "while", "call") and name not in seen:
+                for groups in _CALLED.findall(line):
+                    for group in groups:
+                        for called in group.split(","):
+                            called = called.strip().lstrip("%")
+                            if called:
+                                walk(
+                                    called,
+                                    in_loop or code == "while",
+                                    seen + (name,),
+                                )
+
+    walk(entry, False, ())
     return found
 
 

@@ -83,8 +83,18 @@ def update_in_parts(
     compensation = optimizer._compensations[index]
     if compensation is not None:
         targets.append(compensation)
+    first = len(targets)
     for _, slot in optimizer._located.get(index, ()):
         targets += [slot.codes, slot.scales]
+    # Quantized slots are read from their values before the loop and
+    # written into new arrays (the carry), not in place: a part's update
+    # decodes its old codes twice (for its moments, and again in the
+    # weights' fusion), and where that second read is not ordered before
+    # the codes' in-place write, XLA copied the whole codes and scales at
+    # every part (a 4096x4096 kernel's update: 16 parts, 4 copies of 16 MB
+    # each). Apart, one copy per array and step is left
+    # (tests/core/jax/test_parts_copies.py).
+    apart = range(first, len(targets))
     targets += [slot for _, slot in optimizer._plain_slots.get(index, ())]
     keys = {id(t): n for n, t in enumerate(targets)}
     keys[id(model_variable)] = 0  # On TensorFlow `variable` may differ.
@@ -105,9 +115,10 @@ def update_in_parts(
 
         def read(target):
             n = keys[id(target)]
+            value = originals[n] if n in apart else values[n]
             if carried[n] == dtypes[n]:
-                return values[n]
-            return ops.view(values[n], dtypes[n])
+                return value
+            return ops.view(value, dtypes[n])
 
         def write(target, offset, value):
             n = keys[id(target)]
@@ -115,6 +126,7 @@ def update_in_parts(
             if carried[n] != dtypes[n]:
                 value = ops.view(value, carried[n])
             values[n] = ops.slice_update(values[n], (offset,), value)
+            written.add(n)
 
         part = parts.Part(start, size, read, write)
         part_gradient = ops.slice(flat_gradient, (start,), (size,))
@@ -125,10 +137,14 @@ def update_in_parts(
         )
         return tuple(values)
 
-    values = tuple(
+    originals = tuple(
         ops.view(ops.reshape(ops.convert_to_tensor(t), (-1,)), c)
         for t, c in zip(targets, carried)
     )
+    values = tuple(
+        ops.zeros_like(v) if n in apart else v for n, v in enumerate(originals)
+    )
+    written = set()  # What the parts' update wrote (the same in each).
     values = ops.fori_loop(
         0,
         len(whole),
@@ -137,6 +153,10 @@ def update_in_parts(
     )
     for start, stop in bounds[len(whole) :]:
         values = run(values, start, stop - start)
+    values = [
+        originals[n] if n in apart and n not in written else v
+        for n, v in enumerate(values)
+    ]
     values = [ops.view(v, d) for v, d in zip(values, dtypes)]
     for target, value in zip(targets, values):
         optimizer.assign(target, ops.reshape(value, tuple(target.shape)))

@@ -1,0 +1,107 @@
+"""A large variable's update in parts copies no whole array at each part.
+
+`LowPrecisionOptimizer` updates a variable of more than
+`kmp.core.parts.PART_ELEMENTS` elements with quantized state in parts, in
+a loop whose carry is the arrays the parts write
+(`kmp.core.step.low_precision.update_in_parts`). A part's update decodes
+its old codes for its moments and again inside the weights' fusion; when
+the codes were written in place into the carry, nothing ordered that
+second read before the write, and XLA copied each moment's whole codes
+and scales at every part: a 4096x4096 kernel's update copied 16 MB four
+times per part, 16 parts a step. The codes are now read from their values
+before the loop and written into new arrays. Here the optimized HLO of a
+jitted, donating update of one 2048x2048 bfloat16 kernel (4 parts) is
+compiled, nothing run, and its copies of arrays larger than a part are
+counted (`benchmarks/step_counting/compiled.py`'s `hlo_large_copies`).
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import kmp
+from kmp.core import parts
+from tests.support import step_counting as step_counting_loader
+
+pytestmark = pytest.mark.jax
+
+UNITS = 2048  # 4 parts of PART_ELEMENTS.
+
+
+def large_copies(slot_dtype, rounding):
+    """`hlo_large_copies` of the compiled update of one large kernel."""
+    import jax
+
+    with kmp.policy_scope("bfloat16"):
+        model = keras.Sequential(
+            [keras.Input((UNITS,)), keras.layers.Dense(UNITS, use_bias=False)]
+        )
+    optimizer = kmp.LowPrecisionOptimizer(
+        keras.optimizers.Adam(1e-4), rounding, slot_dtype=slot_dtype, seed=0
+    )
+    weights = model.trainable_variables
+    optimizer.build(weights)
+    assert parts.bounds(optimizer, 0, True) is not None  # In parts.
+    grads = [
+        keras.ops.convert_to_tensor(np.full(w.shape, 1e-3, "float32"), w.dtype)
+        for w in weights
+    ]
+
+    def update(trainable, values, grads):
+        return optimizer.stateless_apply(values, grads, trainable)
+
+    text = (
+        jax.jit(update, donate_argnums=(0, 1))
+        .lower(
+            [w.value for w in weights],
+            [v.value for v in optimizer.variables],
+            grads,
+        )
+        .compile()
+        .as_text()
+    )
+    compiled = step_counting_loader.load().compiled
+    return compiled.hlo_large_copies(text, parts.PART_ELEMENTS + 1)
+
+
+@pytest.mark.parametrize(
+    "slot_dtype, rounding",
+    [("8bit", "stochastic"), ("4bit", "nearest"), ("float8", "nearest")],
+)
+def test_no_whole_array_is_copied_at_each_part(slot_dtype, rounding):
+    found = large_copies(slot_dtype, rounding)
+    assert found["in_loops"] == 0, found
+    # Once a step: at most each moment's codes (the donated buffer the new
+    # codes take) and the zeros the new codes start from.
+    assert found["outside"] <= 3, found
+
+
+def test_large_copies_are_told_apart_inside_loops():
+    compiled = step_counting_loader.load().compiled
+    text = """HloModule m
+
+%body (p: (s32[], u8[8])) -> (s32[], u8[8]) {
+  %p = (s32[], u8[8]{0}) parameter(0)
+  %g = u8[8]{0} get-tuple-element(%p), index=1
+  %copy.1 = u8[8]{0} copy(%g)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], u8[8]{0}) tuple(%i, %copy.1)
+}
+
+%cond (q: (s32[], u8[8])) -> pred[] {
+  %q = (s32[], u8[8]{0}) parameter(0)
+  ROOT %c = pred[] constant(false)
+}
+
+ENTRY %main (a: u8[8], b: u8[2]) -> (s32[], u8[8]) {
+  %a = u8[8]{0} parameter(0)
+  %b = u8[2]{0} parameter(1)
+  %copy.2 = u8[8]{0} copy(%a)
+  %copy.3 = u8[2]{0} copy(%b)
+  %z = s32[] constant(0)
+  %t = (s32[], u8[8]{0}) tuple(%z, %copy.2)
+  ROOT %w = (s32[], u8[8]{0}) while(%t), condition=%cond, body=%body
+}
+"""
+    # copy.1 in the loop; copy.2 outside; copy.3 too small.
+    assert compiled.hlo_large_copies(text, 8) == {"in_loops": 1, "outside": 1}
