@@ -158,6 +158,19 @@ def is_sharded(variable) -> bool:
     return any(axis is not None for axis in axes)
 
 
+def slot_extent(slot, start, length):
+    """`[(offset, count), (offset, count)]`: where the part of `length`
+    elements from `start` (a block's edge; may be traced) lies in the flat
+    codes and in the flat scales of quantized `slot`."""
+    block = slot.block_size
+    count = quantization.blocks(length, block)
+    codes = (
+        quantization.byte_count(start, slot.code),
+        quantization.byte_count(count * block, slot.code),
+    )
+    return [codes, (start // block, count)]
+
+
 class Part:
     """Flat elements `[start, start + length)` of a variable's update.
 
@@ -166,14 +179,17 @@ class Part:
     compensation's, a slot's codes' or scales') whole flat value now, and
     `write(target, offset, value)` writes flat `value` over it from
     `offset` (the backend's: in place on torch, into the loop's carry on
-    JAX).
+    JAX). `staged(target)`, if given, gives this part's own slice of a
+    slot's codes or scales read before the part (None: sliced from
+    `read(target)`).
     """
 
-    def __init__(self, start, length, read, write):
+    def __init__(self, start, length, read, write, staged=None):
         self.start = start
         self.length = length
         self.read = read
         self.write = write
+        self.staged = staged
 
     def of(self, target):
         """This part of `target` (a variable shaped like the weights)."""
@@ -182,24 +198,25 @@ class Part:
     def slot_value(self, slot):
         """This part of a quantized slot, float32 (`start` on a block's
         edge)."""
-        block = slot.block_size
-        count = quantization.blocks(self.length, block)
-        codes = ops.slice(
-            self.read(slot.codes),
-            (quantization.byte_count(self.start, slot.code),),
-            (quantization.byte_count(count * block, slot.code),),
-        )
-        scales = ops.slice(
-            self.read(slot.scales), (self.start // block,), (count,)
-        )
-        return slot.decoded(codes, scales, (self.length,))
+        found = []
+        for target, (offset, count) in zip(
+            (slot.codes, slot.scales),
+            slot_extent(slot, self.start, self.length),
+        ):
+            own = self.staged(target) if self.staged else None
+            if own is None:
+                own = ops.slice(self.read(target), (offset,), (count,))
+            found.append(own)
+        return slot.decoded(*found, (self.length,))
 
     def write_slot(self, slot, value, nearest):
         """Quantizes float32 `value` into this part of the slot."""
         codes, scales = slot.encoded_flat(value, nearest)
-        start = quantization.byte_count(self.start, slot.code)
-        self.write(slot.codes, start, codes)
-        self.write(slot.scales, self.start // slot.block_size, scales)
+        (codes_at, _), (scales_at, _) = slot_extent(
+            slot, self.start, self.length
+        )
+        self.write(slot.codes, codes_at, codes)
+        self.write(slot.scales, scales_at, scales)
 
 
 def write_back(pairs, nearest, part):
@@ -219,6 +236,7 @@ __all__ = [
     "is_sharded",
     "locate_plain",
     "plain_views",
+    "slot_extent",
     "write_back",
     "write_plain",
 ]

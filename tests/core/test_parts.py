@@ -382,10 +382,10 @@ def _count_parts(monkeypatch):
     made = []
 
     class Counted(parts.Part):
-        def __init__(self, start, length, read, write):
+        def __init__(self, start, length, read, write, staged=None):
             # A loop's start is a traced value: kept as None.
             made.append((start if isinstance(start, int) else None, length))
-            super().__init__(start, length, read, write)
+            super().__init__(start, length, read, write, staged)
 
     monkeypatch.setattr(parts, "Part", Counted)
     return made

@@ -77,24 +77,27 @@ def update_in_parts(
     """Variable `index`'s update in parts (`kmp.core.parts`; JAX and
     TensorFlow): a loop (`ops.fori_loop`) over the whole parts, carrying
     the flat arrays they write (`ops.slice_update`, in place under XLA),
-    then the last, shorter one; each array assigned once, at the end."""
+    then the last, shorter one; each array assigned once, at the end.
+
+    The loop also carries the next part's slice of each quantized slot's
+    codes and scales, read from the arrays after this part's writes: a
+    part's update reads its old codes twice (decoding its moments, and
+    again in the fusion that updates the weights), and where it read them
+    from the carried arrays, nothing ordered that second read before the
+    codes' in-place write, so XLA copied the whole codes and scales at
+    every part (a 4096x4096 kernel's update: 16 parts, four copies of
+    16 MB each). A part decodes its carried slice instead
+    (`tests/core/jax/test_parts_copies.py`).
+    """
     model_variable = optimizer._trainable_variables[index]
     targets = [variable]
     compensation = optimizer._compensations[index]
     if compensation is not None:
         targets.append(compensation)
-    first = len(targets)
+    extents = {}  # Target number: (slot, 0 for its codes or 1 its scales).
     for _, slot in optimizer._located.get(index, ()):
+        extents[len(targets)], extents[len(targets) + 1] = (slot, 0), (slot, 1)
         targets += [slot.codes, slot.scales]
-    # Quantized slots are read from their values before the loop and
-    # written into new arrays (the carry), not in place: a part's update
-    # decodes its old codes twice (for its moments, and again in the
-    # weights' fusion), and where that second read is not ordered before
-    # the codes' in-place write, XLA copied the whole codes and scales at
-    # every part (a 4096x4096 kernel's update: 16 parts, 4 copies of 16 MB
-    # each). Apart, one copy per array and step is left
-    # (tests/core/jax/test_parts_copies.py).
-    apart = range(first, len(targets))
     targets += [slot for _, slot in optimizer._plain_slots.get(index, ())]
     keys = {id(t): n for n, t in enumerate(targets)}
     keys[id(model_variable)] = 0  # On TensorFlow `variable` may differ.
@@ -110,15 +113,30 @@ def update_in_parts(
     dtypes = [rounding.dtype_name(t.dtype) for t in targets]
     carried = ["uint16" if rounding.is_low(d) else d for d in dtypes]
 
-    def run(values, start, size):
+    def extent(n, start, size):
+        slot, which = extents[n]
+        return parts.slot_extent(slot, start, size)[which]
+
+    def stage(values, start):
+        """The whole part at `start`'s slice of each slot array (at the
+        end of the arrays for a part past them)."""
+        staged = []
+        for n in extents:
+            offset, count = extent(n, start, length)
+            total = int(values[n].shape[0])
+            offset = ops.minimum(offset, total - count)
+            staged.append(ops.slice(values[n], (offset,), (count,)))
+        return tuple(staged)
+
+    def run(values, staged, start, size):
         values = list(values)
+        own = dict(zip(extents, staged))
 
         def read(target):
             n = keys[id(target)]
-            value = originals[n] if n in apart else values[n]
             if carried[n] == dtypes[n]:
-                return value
-            return ops.view(value, dtypes[n])
+                return values[n]
+            return ops.view(values[n], dtypes[n])
 
         def write(target, offset, value):
             n = keys[id(target)]
@@ -126,9 +144,10 @@ def update_in_parts(
             if carried[n] != dtypes[n]:
                 value = ops.view(value, carried[n])
             values[n] = ops.slice_update(values[n], (offset,), value)
-            written.add(n)
 
-        part = parts.Part(start, size, read, write)
+        part = parts.Part(
+            start, size, read, write, lambda target: own[keys[id(target)]]
+        )
         part_gradient = ops.slice(flat_gradient, (start,), (size,))
         if gradient_dtype != gradient_bits:
             part_gradient = ops.view(part_gradient, gradient_dtype)
@@ -137,26 +156,27 @@ def update_in_parts(
         )
         return tuple(values)
 
-    originals = tuple(
+    def body(i, carry):
+        values = run(*carry, i * length, length)
+        return values, stage(values, (i + 1) * length)
+
+    values = tuple(
         ops.view(ops.reshape(ops.convert_to_tensor(t), (-1,)), c)
         for t, c in zip(targets, carried)
     )
-    values = tuple(
-        ops.zeros_like(v) if n in apart else v for n, v in enumerate(originals)
-    )
-    written = set()  # What the parts' update wrote (the same in each).
-    values = ops.fori_loop(
-        0,
-        len(whole),
-        lambda i, values: run(values, i * length, length),
-        values,
+    values, staged = ops.fori_loop(
+        0, len(whole), body, (values, stage(values, 0))
     )
     for start, stop in bounds[len(whole) :]:
-        values = run(values, start, stop - start)
-    values = [
-        originals[n] if n in apart and n not in written else v
-        for n, v in enumerate(values)
-    ]
+        # The last part ends where the arrays do: its slices are the ends
+        # of those the loop staged last.
+        tail = []
+        for n, slices in zip(extents, staged):
+            count = extent(n, start, stop - start)[1]
+            tail.append(
+                ops.slice(slices, (int(slices.shape[0]) - count,), (count,))
+            )
+        values = run(values, tail, start, stop - start)
     values = [ops.view(v, d) for v, d in zip(values, dtypes)]
     for target, value in zip(targets, values):
         optimizer.assign(target, ops.reshape(value, tuple(target.shape)))
