@@ -71,6 +71,16 @@ def _computations(text):
     return computations, entry
 
 
+def _called_names(line):
+    """The computations an instruction line names (branches, a loop's body
+    and condition, a call's or reduction's `to_apply`)."""
+    names = []
+    for groups in _CALLED.findall(line):
+        for group in groups:
+            names += [c.strip().lstrip("%") for c in group.split(",")]
+    return [name for name in names if name]
+
+
 def hlo_opcode(line):
     """The opcode of one HLO instruction line, or None."""
     if " = " not in line:
@@ -93,11 +103,8 @@ def _kernels(computations, name, seen=()):
         own += code != "call"
         if code not in ("conditional", "while", "call") or name in seen:
             continue
-        called = []
-        for groups in _CALLED.findall(line):
-            for group in groups:
-                called += [c.strip().lstrip("%") for c in group.split(",")]
-        sizes = [_kernels(computations, c, seen + (name,)) for c in called if c]
+        called = _called_names(line)
+        sizes = [_kernels(computations, c, seen + (name,)) for c in called]
         if sizes:
             inside += max(sizes) if code == "conditional" else sum(sizes)
     return own + inside
@@ -111,14 +118,8 @@ def _reached_opcodes(computations, name, seen=()):
         code = hlo_opcode(line)
         found[code] += 1
         if code in ("conditional", "while", "call") and name not in seen:
-            for groups in _CALLED.findall(line):
-                for group in groups:
-                    for called in group.split(","):
-                        called = called.strip().lstrip("%")
-                        if called:
-                            found += _reached_opcodes(
-                                computations, called, seen + (name,)
-                            )
+            for called in _called_names(line):
+                found += _reached_opcodes(computations, called, seen + (name,))
     return found
 
 
@@ -147,16 +148,8 @@ def hlo_large_copies(text: str, elements: int) -> dict:
                 if size >= elements:
                     found["in_loops" if in_loop else "outside"] += 1
             if code in ("conditional", "while", "call") and name not in seen:
-                for groups in _CALLED.findall(line):
-                    for group in groups:
-                        for called in group.split(","):
-                            called = called.strip().lstrip("%")
-                            if called:
-                                walk(
-                                    called,
-                                    in_loop or code == "while",
-                                    seen + (name,),
-                                )
+                for called in _called_names(line):
+                    walk(called, in_loop or code == "while", seen + (name,))
 
     walk(entry, False, ())
     return found
