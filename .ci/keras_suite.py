@@ -10,7 +10,8 @@ plugin loaded with `-p` in both runs imports kmp only in the second). Only
 tests whose outcome differs between the two runs count. PYTHONPATH is passed
 on: put a kmp source tree on it to test that instead of the installed kmp.
 
-    python .ci/keras_suite.py --quick                  # CI selection, ~3 min
+    python .ci/keras_suite.py --quick                  # CI selection, ~2 min
+    python .ci/keras_suite.py --quick --one-process    # as CI runs it, ~1 min
     python .ci/keras_suite.py --groups layers,saving   # a process per module
     python .ci/keras_suite.py --one-process            # all groups together
     python .ci/keras_suite.py --groups trainers --repeat-baseline --json r.json
