@@ -36,6 +36,14 @@ import keras  # noqa: E402
 import pytest  # noqa: E402
 
 BACKEND = keras.backend.backend()
+if ONE_THREAD and BACKEND == "torch":
+    # The root conftest.py imported torch before OMP_NUM_THREADS was set
+    # above, so this process's pool is sized here (the processes the tests
+    # start read the variable). Left at two threads beside the other
+    # worker, `kmp bench`'s tiny whole-command run took 24-49 s, not 4.6.
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 BACKEND_MARKERS = ("tensorflow", "jax", "torch")
 CPU_DEVICES = ["/cpu:0", "/cpu:1"]
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
