@@ -6,14 +6,26 @@ module written for one backend (named after it, `tf_*.py`, `jax_*.py`,
 every module of `kmp/core/tensorflow/`, `jax/` and `torch/`, and those
 listed below) imports only there, so on the others
 it is not collected. Everything else in `kmp/` must import, and its
-examples pass, on every backend. (The test set-up proper is
-`tests/conftest.py`.)
+examples pass, on every backend. It also sets the compute threads of
+xdist's workers, before anything imports a backend. (The test set-up
+proper is `tests/conftest.py`.)
 """
 
 import fnmatch
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+# As many xdist workers as cores (`-n auto`): one compute thread each (and in
+# the processes they start), instead of every worker's thread pools
+# contending for every core. Set here, before Keras imports TensorFlow, JAX
+# or torch, so each reads it when it loads (torch sizes its pool then: set
+# later, its workers kept two threads, and the torch stage took 296 s, not
+# 168).
+ONE_THREAD = _workers > 1 and _workers >= len(os.sched_getaffinity(0))
+if ONE_THREAD:
+    os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch's intra-op pool
 
 import keras  # noqa: E402
 

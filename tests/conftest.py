@@ -23,27 +23,11 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # tests run the eager update, the same arithmetic, except
 # tests/core/torch/test_compiled.py, which turns it on.
 os.environ.setdefault("KMP_TORCH_COMPILE", "0")
-_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-# As many xdist workers as cores (`-n auto`): one compute thread each (and in
-# the processes they start), instead of every worker's thread pools
-# contending for every core.
-ONE_THREAD = _workers > 1 and _workers >= len(os.sched_getaffinity(0))
-if ONE_THREAD:
-    os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch's intra-op pool
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
 BACKEND = keras.backend.backend()
-if ONE_THREAD and BACKEND == "torch":
-    # The root conftest.py imported torch before OMP_NUM_THREADS was set
-    # above, so this process's pool is sized here (the processes the tests
-    # start read the variable). Left at two threads beside the other
-    # worker, `kmp bench`'s tiny whole-command run took 24-49 s, not 4.6.
-    import torch
-
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 BACKEND_MARKERS = ("tensorflow", "jax", "torch")
 CPU_DEVICES = ["/cpu:0", "/cpu:1"]
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
