@@ -94,3 +94,26 @@ class Step:
             )
             counts["hlo"] = compiled.hlo_kernels(text)
         return counts
+
+
+def update_hlo(kind, n_variables):
+    """`(optimized HLO text, gradient parameter numbers)` of `kind`'s
+    optimizer step alone as the documented loop takes it (kmp:
+    `get_unscaled_gradients`, then `apply_gradients`; Keras's optimizer
+    unscales in `apply_gradients`), compiled by XLA on the gradients (the
+    function's first arguments: parameters 0 to n - 1) on the
+    `n_variables` model: what `passes.gradient_passes` counts."""
+    model = models.build_model(n_variables)
+    optimizer = models.make_optimizer(kind)
+    variables = model.trainable_variables
+    optimizer.build(variables)
+    grads = [tf.ones(v.shape, v.dtype) for v in variables]
+
+    @tf.function(jit_compile=True)
+    def update(grads):
+        if kind == "kmp":
+            grads = optimizer.get_unscaled_gradients(grads)
+        optimizer.apply_gradients(zip(grads, variables))
+
+    text = update.experimental_get_compiler_ir(grads)(stage="optimized_hlo")
+    return text, list(range(len(grads)))

@@ -35,9 +35,10 @@ Where a kmp optimizer's step cannot report persistent skips from inside
 itself (`jit_compile=True` on TensorFlow: XLA runs no Python; every JAX
 step, whose state is lost if it raises, jitted or not), `fit`'s train
 function checks after every call, without waiting for the device: the JAX
-step returns its skips in a row and scale packed in one small array (taken
-out of the logs before Keras sees them), TensorFlow's are packed after the
-call, and each is read one step later (`kmp.core.step.lagged`). So the
+step and TensorFlow's XLA step return their skips in a row and scale
+packed in one small array (taken out of the logs before Keras sees them;
+under a `tf.distribute` strategy TensorFlow's are packed after the call),
+and each is read one step later (`kmp.core.step.lagged`). So the
 warning appears and "raise" stops `fit` one step after the step that
 reaches the limit (on every process at the same step), with the state of
 the step just run kept (on JAX assigned to the variables before it
@@ -58,7 +59,8 @@ from kmp.core import policy as core_policy
 from kmp.core.step import lagged
 from kmp.patches import registry
 
-# The logs entry of a JAX step that holds its persistent-skips numbers.
+# The logs entry of a step (JAX's; TensorFlow's under XLA) that holds its
+# persistent-skips numbers.
 SKIPS_KEY = "_kmp_persistent_skips"
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
@@ -146,7 +148,13 @@ def make_train_function(original, self, force=False):
         def train_function(*args, **kwargs):
             if not backend.is_jax():
                 outputs = function(*args, **kwargs)
-                optimizer.check_persistent_skips()
+                packed = None
+                if isinstance(outputs, dict):
+                    packed = outputs.pop(SKIPS_KEY, None)
+                if packed is None:  # A train_step of the model's own.
+                    optimizer.check_persistent_skips()
+                else:
+                    optimizer._check_persistent_skips_packed(packed)
                 return outputs
             # A step that runs eagerly (run_eagerly, jit_compile=False)
             # would raise inside, losing the state it returns: it leaves
@@ -210,9 +218,35 @@ def train_step(original, self, data):
         v for v in self.non_trainable_variables if not kept_state.is_exempt(v)
     ]
     if not variables:
-        return original(self, data)
-    with optimizer.keep_on_skip(variables):
-        return original(self, data)
+        logs = original(self, data)
+    else:
+        with optimizer.keep_on_skip(variables):
+            logs = original(self, data)
+    return _with_packed_skips(self, optimizer, logs)
+
+
+def _with_packed_skips(model, optimizer, logs):
+    """`logs` and, in a TensorFlow step that XLA compiles (whose numbers
+    `make_train_function`'s check reads after the call) outside any
+    `tf.distribute` strategy, the step's skips in a row and scale packed
+    under `SKIPS_KEY`: the check then takes them from the call's outputs,
+    with no operation of its own after each step (packing them eagerly
+    after the call added 0.1x to the step of a 202-variable model,
+    `benchmarks/step_costs.py`). Under a strategy Keras would average the
+    replicas' numbers: the check reads the variables there."""
+    if not (backend.is_tensorflow() and isinstance(logs, dict)):
+        return logs
+    tf = backend.tensorflow()
+    if tf.executing_eagerly() or tf.distribute.has_strategy():
+        return logs
+    if not _needs_skip_check(model):
+        return logs
+    logs = dict(logs)
+    logs[SKIPS_KEY] = lagged.pack(
+        optimizer.consecutive_skips_variable.value,
+        optimizer.dynamic_scale.value,
+    )
+    return logs
 
 
 def stateless_train_step(original, self, state, data):

@@ -170,6 +170,22 @@ def test_script_runs_on_this_backend(name, tmp_path):
     assert document["backend"] == backend["KERAS_BACKEND"]
     kind = {"step_costs.py": "optimizer"}.get(name, "configuration")
     assert {r[kind] for r in document["records"]} >= EXPECTED[name]
+    if name == "step_costs.py":
+        # Timed (--time-steps 2): kmp's row carries its goal.
+        (kmp_row,) = [r for r in document["records"] if r["optimizer"] == "kmp"]
+        assert kmp_row["goal"].startswith("<= ")
+        assert isinstance(kmp_row["goal_met"], bool)
+        # Counted where XLA compiles the update: plain Adam reads each
+        # gradient twice, kmp no more often than Keras's LossScaleOptimizer.
+        passes = {
+            r["optimizer"]: r["passes_per_gradient"]
+            for r in document["records"]
+        }
+        if backend["KERAS_BACKEND"] == "torch":
+            assert passes["plain"] is None
+        else:
+            assert passes["plain"] == [2, 2]
+            assert passes["kmp"][1] <= passes["keras"][0]
     if name == "eight_bit.py":
         language = [r for r in document["records"] if r["model"] == "language"]
         assert language and all(r["floor"] > 1.8 for r in language)
@@ -183,6 +199,50 @@ def test_script_runs_on_this_backend(name, tmp_path):
         # Counted on JAX only: float32 Adam reads a gradient twice.
         expected = 2 if backend["KERAS_BACKEND"] == "jax" else None
         assert passes["float32"] == expected
+
+
+@pytest.mark.tensorflow  # Arithmetic on records: the same on every backend.
+def test_step_costs_sets_each_goal_against_its_bound(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import step_costs
+
+    def row(kind, loop, ratio):
+        return {
+            "optimizer": kind,
+            "loop": loop,
+            "variables": 202,
+            "time_ratio": ratio,
+        }
+
+    records = [
+        row("plain", "loop", 1.0),
+        row("kmp", "loop", 1.04),
+        row("keras", "loop", 1.2),
+        row("kmp", "fit", 1.5),
+        row("kmp", "fit-xla", 1.06),
+    ]
+    step_costs.add_goals("tensorflow", records)
+    goals = [(r.get("goal"), r.get("goal_met")) for r in records]
+    assert goals == [
+        (None, None),
+        ("<= 1.05x", True),
+        (None, None),
+        (None, None),
+        ("<= 1.05x", False),
+    ]
+    torch_records = [
+        row("kmp", "loop", 1.02),
+        row("gradscaler", "loop", 1.03),
+        row("kmp-fused", "loop", 0.99),
+        row("gradscaler-fused", "loop", 0.98),
+    ]
+    step_costs.add_goals("torch", torch_records)
+    assert [(r.get("goal"), r.get("goal_met")) for r in torch_records] == [
+        ("<= gradscaler's 1.03x", True),
+        (None, None),
+        ("<= gradscaler-fused's 0.98x", False),
+        (None, None),
+    ]
 
 
 @pytest.mark.tensorflow  # The argument checks: the same on every backend.
