@@ -648,6 +648,26 @@ def test_persistent_skips_raise_under_xla_a_batch_after_the_limit():
     assert int(optimizer.iterations) == 1
 
 
+@needs_xla
+def test_persistent_skips_raise_under_xla_with_steps_per_execution():
+    # Two steps a call: the check reads the numbers of a call's last step
+    # after the next call. Batches 1-7 skip; the call of batches 2 and 3
+    # reaches 3 in a row, and the check after the next call raises.
+    optimizer = kmp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01),
+        initial_scale=1024,
+        max_consecutive_skips=3,
+        on_persistent_skips="raise",
+    )
+    model = _model(optimizer, jit_compile=True, steps_per_execution=2)
+    batches = _Batches()
+    with pytest.raises(FloatingPointError, match="skipped the last 3 steps"):
+        _fit(model, _data(bad_steps=range(1, 8), steps=12), 1, [batches])
+    assert batches.ended == [1, 3]
+    assert int(optimizer.skipped_steps) == 5
+    assert int(optimizer.iterations) == 1
+
+
 @tensorflow_only
 @needs_xla
 def test_persistent_skips_raise_under_xla_from_the_monitor_without_the_patch():
