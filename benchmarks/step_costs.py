@@ -140,7 +140,7 @@ def count_one(counter, loop, kind, size, steps, keep=None):
         keras.backend.clear_session(free_memory=False)
     if keep is not None:
         keep.append(step)
-    passes = update_passes(kind, size)
+    passes = update_passes(kind, size, loop)
     per_step = {
         k: {owner: n / steps for owner, n in counts.by_owner(k).items()}
         for k in KINDS
@@ -164,23 +164,27 @@ def count_one(counter, loop, kind, size, steps, keep=None):
 
 
 @functools.lru_cache(maxsize=None)
-def update_passes(kind, size):
+def update_passes(kind, size, loop="loop"):
     """On JAX and TensorFlow, the passes over each gradient of `kind`'s
     update alone, compiled by XLA on the gradients
-    (`step_counting/passes.py`; TensorFlow's as its documented loop takes
-    it): their range, `[fewest, most]`; None on torch."""
+    (`step_counting/passes.py`; TensorFlow's as `loop` takes it: `fit`'s
+    train step or the documented loop): their range, `[fewest, most]`;
+    None on torch."""
     backend = keras.backend.backend()
     if backend == "torch" or kind not in models.OPTIMIZERS:
         return None
     from step_counting import passes
 
+    settings = {}
     if backend == "jax":
         from step_counting import jax_steps as steps
     else:
         from step_counting import tf_steps as steps
+
+        settings["protocol"] = "loop" if loop == "loop" else "fit"
     kmp.set_global_policy("mixed_float16")
     try:
-        text, gradients = steps.update_hlo(kind, size)
+        text, gradients = steps.update_hlo(kind, size, **settings)
     finally:
         kmp.set_global_policy(None)
         keras.backend.clear_session(free_memory=False)

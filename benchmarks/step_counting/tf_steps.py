@@ -96,13 +96,15 @@ class Step:
         return counts
 
 
-def update_hlo(kind, n_variables):
+def update_hlo(kind, n_variables, protocol="loop"):
     """`(optimized HLO text, gradient parameter numbers)` of `kind`'s
-    optimizer step alone as the documented loop takes it (kmp:
-    `get_unscaled_gradients`, then `apply_gradients`; Keras's optimizer
-    unscales in `apply_gradients`), compiled by XLA on the gradients (the
-    function's first arguments: parameters 0 to n - 1) on the
-    `n_variables` model: what `passes.gradient_passes` counts."""
+    optimizer step alone, compiled by XLA on the gradients (the function's
+    first arguments: parameters 0 to n - 1) on the `n_variables` model:
+    what `passes.gradient_passes` counts. `protocol` "loop" takes it as the
+    documented loop does (kmp: `get_unscaled_gradients`, then
+    `apply_gradients`; Keras's optimizer unscales in `apply_gradients`),
+    "fit" as Keras's train step does (the gradients of the scaled loss
+    given to `apply`, which unscales them)."""
     model = models.build_model(n_variables)
     optimizer = models.make_optimizer(kind)
     variables = model.trainable_variables
@@ -111,6 +113,11 @@ def update_hlo(kind, n_variables):
 
     @tf.function(jit_compile=True)
     def update(grads):
+        if protocol == "fit":
+            if kind != "plain":  # As Keras's train step scales the loss.
+                optimizer.scale_loss(tf.constant(1.0))
+            optimizer.apply(grads, variables)
+            return
         if kind == "kmp":
             grads = optimizer.get_unscaled_gradients(grads)
         optimizer.apply_gradients(zip(grads, variables))

@@ -50,24 +50,7 @@ def unscale_gradients(gradients: Iterable, scale, keep=()) -> List:
     multi-tensor op per dtype instead, `kmp.core.torch.step.unscale`).
     Sparse gradients are divided on their values and stay sparse.
     """
-    gradients = list(gradients)
-    unscaled = []
-    for index, gradient in enumerate(gradients):
-        if gradient is None or index in keep:
-            unscaled.append(gradient)
-        elif checks.is_indexed_slices(gradient):
-            tf = _tf()
-            values = scale_tensor(gradient.values, scale, divide=True)
-            unscaled.append(
-                tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
-            )
-        else:
-            unscaled.append(scale_tensor(gradient, scale, divide=True))
-    return unscaled
-
-
-def _tf():
-    return backend.tensorflow()
+    return _each(gradients, keep, lambda t: scale_tensor(t, scale, True))
 
 
 def unscale_by_reciprocal(gradients: Iterable, scale, keep=()) -> List:
@@ -77,11 +60,30 @@ def unscale_by_reciprocal(gradients: Iterable, scale, keep=()) -> List:
     quotient); within an ulp of them otherwise. XLA fuses a multiplication,
     unlike a division, into each of the fusions that read it."""
     factor = ops.divide(1.0, ops.cast(scale, "float32"))
-    gradients = list(gradients)
-    return [
-        g if g is None or i in keep else scale_tensor(g, factor, divide=False)
-        for i, g in enumerate(gradients)
-    ]
+    return _each(gradients, keep, lambda t: scale_tensor(t, factor, False))
+
+
+def _each(gradients, keep, scale_one) -> List:
+    """`scale_one` of every gradient but None and the indices in `keep`;
+    a sparse gradient's values, and it stays sparse."""
+    result = []
+    for index, gradient in enumerate(gradients):
+        if gradient is None or index in keep:
+            result.append(gradient)
+        elif checks.is_indexed_slices(gradient):
+            values = scale_one(gradient.values)
+            result.append(
+                _tf().IndexedSlices(
+                    values, gradient.indices, gradient.dense_shape
+                )
+            )
+        else:
+            result.append(scale_one(gradient))
+    return result
+
+
+def _tf():
+    return backend.tensorflow()
 
 
 def all_finite(gradients: Iterable):

@@ -25,6 +25,7 @@ from tensorflow.python.ops import control_flow_util_v2
 
 from kmp.core import backend
 from kmp.core import borrow
+from kmp.core import loss_scale
 from kmp.core import scaling
 from kmp.core.step import common as steps
 from kmp.core.tensorflow.fused import FusedAdam
@@ -70,7 +71,12 @@ def apply(
     if distributed and aggregate:
         grads = sum_over_replicas(grads)
     grads, finite, apply_ok, per_gradient = steps.prepare(
-        optimizer, grads, variables, scaled, check=all_finite
+        optimizer,
+        grads,
+        variables,
+        scaled,
+        unscale=step_unscale(optimizer),
+        check=all_finite,
     )
     if distributed and not aggregate:
         finite, apply_ok, per_gradient = true_on_every_replica(
@@ -250,6 +256,19 @@ def all_finite(gradients):
 
 # `get_unscaled_gradients`' division: one op per gradient.
 unscale_gradients = scaling.unscale_gradients
+
+
+def step_unscale(optimizer):
+    """How the step unscales its gradients: where every scale the
+    optimizer can take is a power of two (`loss_scale.powers_of_two`: the
+    default rule's), by a multiplication by the reciprocal, which gives the
+    division's values exactly and which XLA fuses into the check's sum and
+    each update fusion that reads the gradient (a division it writes out
+    once and reads again: a pass over every gradient); else by the
+    division."""
+    if loss_scale.powers_of_two(optimizer.rule, optimizer.initial_scale):
+        return scaling.unscale_by_reciprocal
+    return scaling.unscale_gradients
 
 
 def stateless_apply(
