@@ -4,8 +4,9 @@
 `apply` sums the gradients across replicas once (before the finite check,
 so every replica decides alike; the inner optimizer, and every optimizer
 inside it such as a `MultiOptimizer`'s, then applies them without summing
-again), unscales and checks them (`kmp.core.step.common.prepare`), and
-applies or skips. In a graph the update either waits for the finite check
+again), unscales them (by the scale's reciprocal where every scale is a
+power of two, `step_unscale`) and checks them
+(`kmp.core.step.common.prepare`), and applies or skips. In a graph the update either waits for the finite check
 in a cond (lowered into the graph, as TensorFlow does it, so Grappler
 optimizes the update exactly as without the cond, and its arithmetic is the
 inner optimizer's own) or, for Keras's optimizers on models of many small
