@@ -140,7 +140,11 @@ def count_one(counter, loop, kind, size, steps, keep=None):
         keras.backend.clear_session(free_memory=False)
     if keep is not None:
         keep.append(step)
-    passes = update_passes(kind, size, loop)
+    # JAX's update is the same in both (one compile, cached).
+    on_tf = keras.backend.backend() == "tensorflow"
+    passes = update_passes(
+        kind, size, "fit" if on_tf and loop != "loop" else "loop"
+    )
     per_step = {
         k: {owner: n / steps for owner, n in counts.by_owner(k).items()}
         for k in KINDS
@@ -164,12 +168,12 @@ def count_one(counter, loop, kind, size, steps, keep=None):
 
 
 @functools.lru_cache(maxsize=None)
-def update_passes(kind, size, loop="loop"):
+def update_passes(kind, size, protocol="loop"):
     """On JAX and TensorFlow, the passes over each gradient of `kind`'s
     update alone, compiled by XLA on the gradients
-    (`step_counting/passes.py`; TensorFlow's as `loop` takes it: `fit`'s
-    train step or the documented loop): their range, `[fewest, most]`;
-    None on torch."""
+    (`step_counting/passes.py`; TensorFlow's as `protocol` takes it:
+    "fit", `fit`'s train step, or "loop", the documented loop): their
+    range, `[fewest, most]`; None on torch."""
     backend = keras.backend.backend()
     if backend == "torch" or kind not in models.OPTIMIZERS:
         return None
@@ -181,7 +185,7 @@ def update_passes(kind, size, loop="loop"):
     else:
         from step_counting import tf_steps as steps
 
-        settings["protocol"] = "loop" if loop == "loop" else "fit"
+        settings["protocol"] = protocol
     kmp.set_global_policy("mixed_float16")
     try:
         text, gradients = steps.update_hlo(kind, size, **settings)

@@ -467,3 +467,31 @@ def test_runs_inside_jax_jit():
     assert states == _WALK_STATES
     # One trace serves every step: no Python control flow on the values.
     assert len(traces) == 1
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        ({}, True),
+        ({"initial_scale": 2.0**-3, "min_scale": 2.0**-10}, True),
+        ({"max_scale": 1e5}, True),  # Never clamped to: not a scale.
+        ({"initial_scale": 1000.0}, False),
+        ({"dynamic": False, "initial_scale": 1024}, True),
+        ({"dynamic": False, "initial_scale": 1000}, False),
+        ({"dynamic_growth_steps": 3, "growth_factor": 3.0}, False),
+        ({"backoff_factor": 0.75}, False),
+        ({"min_scale": 3.0}, False),
+    ],
+)
+def test_powers_of_two_tells_whether_every_scale_of_a_run_is_one(
+    settings, expected
+):
+    # What the JAX and TensorFlow steps test to unscale by the reciprocal
+    # (tests/core/<backend>/test_step_passes.py).
+    import kmp
+
+    optimizer = kmp.LossScaleOptimizer(keras.optimizers.Adam(), **settings)
+    assert (
+        loss_scale.powers_of_two(optimizer.rule, optimizer.initial_scale)
+        is expected
+    )

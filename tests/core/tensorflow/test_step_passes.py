@@ -75,27 +75,21 @@ def test_the_loops_division_is_written_out_once(counts):
 
 
 @pytest.mark.parametrize(
-    "settings, expected",
-    [
-        ({}, True),
-        ({"initial_scale": 1000.0}, False),
-        ({"dynamic": False, "initial_scale": 1024}, True),
-        ({"backoff_factor": 0.75}, False),
-    ],
+    "settings",
+    [{}, {"initial_scale": 1000.0}, {"backoff_factor": 0.75}],
+    ids=["default", "1000", "backoff_0.75"],
 )
-def test_the_step_multiplies_where_every_scale_is_a_power_of_two(
-    settings, expected
-):
+def test_the_update_multiplies_where_every_scale_is_a_power_of_two(settings):
+    # Which settings those are: tests/core/test_loss_scale.py.
     from kmp.core import scaling
     from kmp.core.tensorflow import step
 
     optimizer = kmp.LossScaleOptimizer(keras.optimizers.Adam(), **settings)
-    assert (
-        loss_scale.powers_of_two(optimizer.rule, optimizer.initial_scale)
-        is expected
+    powers = loss_scale.powers_of_two(optimizer.rule, optimizer.initial_scale)
+    assert powers is (settings == {})
+    want = (
+        scaling.unscale_by_reciprocal if powers else scaling.unscale_gradients
     )
-    want = scaling.unscale_by_reciprocal if expected else None
-    want = want or scaling.unscale_gradients
     assert step.step_unscale(optimizer) is want
 
 
