@@ -1,21 +1,21 @@
 """One `LossScaleOptimizer` step on TensorFlow, whole: eager, graph, XLA and
 `tf.distribute`.
 
-`apply` sums the gradients across replicas once (before the finite check,
-so every replica decides alike; the inner optimizer, and every optimizer
-inside it such as a `MultiOptimizer`'s, then applies them without summing
-again), unscales them (by the scale's reciprocal where every scale is a
-power of two, `step_unscale`) and checks them
-(`kmp.core.step.common.prepare`), and applies or skips. In a graph the update either waits for the finite check
-in a cond (lowered into the graph, as TensorFlow does it, so Grappler
-optimizes the update exactly as without the cond, and its arithmetic is the
-inner optimizer's own) or, for Keras's optimizers on models of many small
+`apply` sums the gradients across replicas once (before the finite check, so
+every replica decides alike; the inner optimizer, and every optimizer inside
+it such as a `MultiOptimizer`'s, then applies them without summing again),
+unscales them (by the scale's reciprocal where every scale is a power of
+two, `step_unscale`) and checks them (`kmp.core.step.common.prepare`), and
+applies or skips. In a graph the update either waits for the finite check in
+a cond (lowered into the graph, as TensorFlow does it, so Grappler optimizes
+the update exactly as without the cond, and its arithmetic is the inner
+optimizer's own) or, for Keras's optimizers on models of many small
 variables, is applied at once and, on a skipped step, the state read just
 before is written back, exactly (`read_for_restore`). What only a skipped
 step needs runs in one `If` kept as a single function call
 (`cond_as_one_call`). `stateless_apply` refuses, as Keras's TensorFlow
-optimizers do; `snapshot` is what `keep_on_skip` keeps; `check_strategy`
-and `check_replica_context` are the strategy checks of the optimizer's
+optimizers do; `snapshot` is what `keep_on_skip` keeps; `check_strategy` and
+`check_replica_context` are the strategy checks of the optimizer's
 constructor and of each step.
 """
 
