@@ -48,7 +48,8 @@ torch file.
                                                   # AdamW vs torchao's, step
                                                   # and update alone
     python benchmarks/eight_bit.py --parts-timing # the MLP's step in parts
-                                                  # and whole (kmp.core.parts)
+                                                  # and whole
+                                                  # (kmp.core.low_bit.parts)
     python benchmarks/eight_bit.py --summary      # the docs' table, from
                                                   # every backend's file
 
@@ -318,13 +319,14 @@ def memory_child(configuration, quick, model_name="mlp"):
 
 def parts_timing(quick, rounds=6):
     """The 42M-parameter MLP's step (bfloat16 weights, 8-bit moments, each
-    rounding) with its large variables updated in parts (`kmp.core.parts`)
-    and whole, in this process, alternating: median milliseconds."""
+    rounding) with its large variables updated in parts
+    (`kmp.core.low_bit.parts`) and whole, in this process, alternating:
+    median milliseconds."""
     import keras
     import numpy as np
 
     import kmp
-    from kmp.core import parts
+    from kmp.core.low_bit import parts
 
     units = QUICK_MEMORY_UNITS if quick else MEMORY_UNITS
     rng = np.random.default_rng(0)
@@ -687,7 +689,8 @@ NOTES = [
     "1.0012x-1.0023x (float8) float32 Adam's. 4 bits lose the most of the "
     "three (8 bits: 0.9993x-0.9999x).",
     "Peak memory: a variable of over a million elements with 8-bit slots "
-    "is updated in parts of a million, one after another (kmp.core.parts: "
+    "is updated in parts of a million, one after another "
+    "(kmp.core.low_bit.parts: "
     "in place on torch, in an XLA loop on JAX and TensorFlow), so the "
     "float32 temporaries are a part's, not the variable's. The "
     "42M-parameter MLP's peak with bfloat16 weights and 8-bit moments: "

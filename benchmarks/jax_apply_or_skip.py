@@ -44,7 +44,7 @@ from step_counting import timing  # noqa: E402
 
 import kmp  # noqa: E402
 from kmp.core.jax import step as jax_step  # noqa: E402
-from kmp.core.step import common  # noqa: E402
+from kmp.core.loss_scale import shared_step as common  # noqa: E402
 
 WAYS = ("cond", "where", "fused")
 

@@ -55,8 +55,8 @@ def round_trip(value, form, signed):
     """`value` (float32) written to `form` block-wise and read back."""
     from keras import ops
 
-    from kmp.core import codes
-    from kmp.core import quantization
+    from kmp.core.low_bit import codes
+    from kmp.core.low_bit import quantization
 
     block = 128 if form == "4-bit" else 256
     flat = ops.reshape(value, (-1,))

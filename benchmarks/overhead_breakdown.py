@@ -35,7 +35,7 @@ import tensorflow as tf  # noqa: E402
 from keras.src.optimizers import base_optimizer  # noqa: E402
 
 import kmp  # noqa: E402
-from kmp.core import scaling  # noqa: E402
+from kmp.core.loss_scale import scaling  # noqa: E402
 from kmp.core.tensorflow import step as tf_step  # noqa: E402
 from kmp.tools.bench import timing  # noqa: E402
 

@@ -5,12 +5,12 @@ NumPy value (`"upload"`) or one kernel dispatched (`"kernel"`), with what
 caused it (an op or method name), its owner (`OWNERS`) and the call site
 it is attributed to (see `attribution`).
 
-A read that kmp's persistent-skips check makes of an earlier step's
-numbers (`kmp/core/step/lagged.py`: a small copy whose transfer to the host
+A read that kmp's persistent-skips check makes of an earlier step's numbers
+(`kmp/core/loss_scale/lagged.py`: a small copy whose transfer to the host
 started a step before, read while the device runs the next step) is a
-`"late_read"`: it waits for that copy, not for the step the device is
-running (`tests/core/jax/test_step.py` checks that the check returns before a
-running step has finished).
+`"late_read"`: it waits for that copy, not for the step the device is running
+(`tests/core/jax/test_step.py` checks that the check returns before a running
+step has finished).
 """
 
 import collections
@@ -24,7 +24,7 @@ from . import attribution
 
 KINDS = ("read", "late_read", "upload", "kernel")
 # The module whose reads are of an earlier step's numbers (see above).
-_LATE_READER = "kmp/core/step/lagged.py:"
+_LATE_READER = "kmp/core/loss_scale/lagged.py:"
 OWNERS = attribution.OWNERS
 
 

@@ -27,14 +27,14 @@ second moment, a squared gradient, underflows float16.
 stays float32, for float32 (mixed-precision) variables too;
 `slot_dtype="8bit"` keeps the moments of Adam, AdamW, Lion and SGD in one
 byte per element with a scale per block, `"4bit"` in half a byte,
-`"float8"` as float8_e4m3fn bytes (`kmp.core.quantized_slots`). Float32
+`"float8"` as float8_e4m3fn bytes (`kmp.core.low_bit.slots`). Float32
 variables are written back exactly: with them and the default `slot_dtype`,
 results are the inner optimizer's, bit for bit.
 
 The mechanism, the same on every backend: the inner optimizer's own
 `_backend_update_step` runs (its per-step work included), but each
 variable's `update_step` gets a float32 stand-in for it
-(`kmp.core.rounding.Float32View`; TensorFlow's is in
+(`kmp.core.low_bit.rounding.Float32View`; TensorFlow's is in
 `kmp.core.tensorflow.rounding`): it reads as `w + c` in float32, records
 what is assigned, and leads the inner optimizer to the variable's slots;
 the stand-in's value is then rounded into the variable. Nothing float32
@@ -49,7 +49,7 @@ environment variable `KMP_TORCH_COMPILE=0` keeps it eager); on JAX
 (`kmp.core.jax.low_precision`) nothing more. On all three, large variables
 with quantized slots, or with 16-bit weights or slots under Adam,
 AdamW, Lion or SGD, are updated in parts, which bounds the temporaries
-(`kmp.core.parts`).
+(`kmp.core.low_bit.parts`).
 On JAX the whole update is pure, so `stateless_apply` (which `fit` and a
 jitted loop call) works as for any Keras optimizer.
 
@@ -67,12 +67,12 @@ from keras import ops
 from kmp.core import backend
 from kmp.core import borrow
 from kmp.core import checks
-from kmp.core import low_precision_arguments as arguments
-from kmp.core import optimizer_arguments
-from kmp.core import parts
-from kmp.core import quantized_slots
-from kmp.core import rounding
-from kmp.core.step import low_precision as step_shared
+from kmp.core.loss_scale import arguments as optimizer_arguments
+from kmp.core.low_bit import arguments
+from kmp.core.low_bit import parts
+from kmp.core.low_bit import rounding
+from kmp.core.low_bit import shared_step as step_shared
+from kmp.core.low_bit import slots as quantized_slots
 
 # This backend's step (`apply_update`, `update_variable`, `view`) and random
 # stream: the one place `LowPrecisionOptimizer` picks a backend.
@@ -129,7 +129,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             element plus a float32 scale per block, for variables of
             `min_8bit_size` elements or more (others as with None);
             `"4bit"` in half a byte, `"float8"` as float8_e4m3fn
-            (`kmp.core.quantization`, `kmp.core.codes`).
+            (`kmp.core.low_bit.quantization`, `kmp.core.low_bit.codes`).
         block_size: With a quantized `slot_dtype`: elements per scale
             (default 256; 128 for `"4bit"`, which needs an even one).
         min_8bit_size: With a quantized `slot_dtype`: the smallest
@@ -315,7 +315,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
 
     def _locate_plain(self):
         """Where the inner optimizer keeps each variable's plain slots,
-        for its update in parts (`kmp.core.parts`; elementwise updates
+        for its update in parts (`kmp.core.low_bit.parts`; elementwise updates
         only)."""
         inner = self._inner_optimizer
         plain = {}
@@ -375,14 +375,14 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         bounds = parts.bounds(self, index, _steps.update_in_parts)
         if bounds is None:
             self._update_part(gradient, learning_rate, variable, index)
-        else:  # kmp.core.parts
+        else:  # kmp.core.low_bit.parts
             _steps.update_in_parts(
                 self, gradient, learning_rate, variable, index, bounds
             )
 
     def _update_part(self, gradient, learning_rate, variable, index, part=None):
         """Variable `index`'s update, or that of `part` of it (flat: a
-        `kmp.core.parts.Part`, whose `write` writes the results)."""
+        `kmp.core.low_bit.parts.Part`, whose `write` writes the results)."""
         inner = self._inner_optimizer
         model_variable = self._trainable_variables[index]
         low = rounding.is_low(variable.dtype)
@@ -424,7 +424,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             return
         value = view.value
         constraint = getattr(model_variable, "constraint", None)
-        if constraint is not None:  # Never in parts (kmp.core.parts).
+        if constraint is not None:  # Never in parts (kmp.core.low_bit.parts).
             value = constraint(value)
         if not low:
             write(variable, value)

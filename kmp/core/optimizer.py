@@ -1,18 +1,17 @@
 """`LossScaleOptimizer`: loss scaling for `model.fit` and for custom loops.
 
 Every step it decides whether the gradients it gets are scaled
-(`kmp.core.recipes`), sums them across replicas once (`tf.distribute`),
-divides them by the scale if they are scaled, checks them for inf/NaN
-(after the sum, so every replica decides alike), applies them with the
-inner optimizer only if all are finite, and assigns the state the scale rule
-returns (`kmp.core.loss_scale`). The class holds the variables and reads
-like Keras's own; beside it are the checks of its arguments
-(`optimizer_arguments`), its state (`optimizer_state`) and its files
-(`optimizer_files`), the scaling calls
-(`optimizer_scaling`), the state a skipped step puts back (`kept_state`),
-and each backend's whole step (`kmp.core.tensorflow.step`,
-`kmp.core.jax.step`, `kmp.core.torch.step`: the same names on each, picked
-once, here), over what they share (`kmp.core.step`).
+(`kmp.core.loss_scale.recipes`), sums them across replicas once
+(`tf.distribute`), divides them by the scale if they are scaled, checks them
+for inf/NaN (after the sum, so every replica decides alike), applies them with
+the inner optimizer only if all are finite, and assigns the state the scale
+rule returns (`kmp.core.loss_scale.rule`). The class holds the variables and
+reads like Keras's own; its halves are in `kmp.core.loss_scale`: the checks of
+its arguments (`arguments`), its state (`state`) and its files (`files`), the
+scaling calls (`scale_calls`) and the state a skipped step puts back
+(`keep_on_skip`). Each backend's whole step (`kmp.core.tensorflow.step`,
+`kmp.core.jax.step`, `kmp.core.torch.step`: the same names on each) is picked
+once, here, over what they share (`kmp.core.loss_scale.shared_step`).
 """
 
 from typing import Optional
@@ -22,18 +21,17 @@ from keras.src.saving import serialization_lib
 
 from kmp.core import backend
 from kmp.core import checks
-from kmp.core import kept_state
-from kmp.core import loss_scale as rule_module
-from kmp.core import optimizer_arguments as arguments
-from kmp.core import process_settings
-from kmp.core import recipes
-from kmp.core.optimizer_arguments import ArgumentTypeError
-from kmp.core.optimizer_files import FilesMixin
-from kmp.core.optimizer_scaling import ScalingMixin
-from kmp.core.optimizer_state import PersistentSkipsWarning
-from kmp.core.optimizer_state import StateMixin
-from kmp.core.optimizer_state import read_value
-from kmp.core.step import common as steps
+from kmp.core.loss_scale import arguments
+from kmp.core.loss_scale import keep_on_skip as kept_state
+from kmp.core.loss_scale import recipes
+from kmp.core.loss_scale import rule as rule_module
+from kmp.core.loss_scale import shared_step as steps
+from kmp.core.loss_scale.arguments import ArgumentTypeError
+from kmp.core.loss_scale.files import FilesMixin
+from kmp.core.loss_scale.scale_calls import ScalingMixin
+from kmp.core.loss_scale.state import PersistentSkipsWarning
+from kmp.core.loss_scale.state import StateMixin
+from kmp.core.loss_scale.state import name_scope
 
 # This backend's step (`apply`, `stateless_apply`, `snapshot` and the
 # strategy checks): the one place `LossScaleOptimizer` picks a backend.
@@ -43,6 +41,9 @@ elif backend.is_jax():
     from kmp.core.jax import step as _step
 else:
     from kmp.core.torch import step as _step
+
+# A snapshot of a variable's value now (a tensor later steps do not change).
+read_value = _step.read_value
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 _KerasOptimizer = keras.optimizers.Optimizer
@@ -71,7 +72,7 @@ class LossScaleOptimizer(
       an inf/NaN gradient is still skipped.
 
     In `model.fit` all of it happens by itself. In a custom loop, either
-    recipe (decided per optimizer, see `kmp.core.recipes`):
+    recipe (decided per optimizer, see `kmp.core.loss_scale.recipes`):
 
         # tf.keras's: unscale, (transform,) apply.
         with tf.GradientTape() as tape:
@@ -99,8 +100,8 @@ class LossScaleOptimizer(
 
     A step not finite on one replica or process is skipped on all (under
     `torch.distributed`, where the gradients are all-reduced, or the check
-    agreed: `kmp.core.torch_distributed`). Processes whose optimizers were
-    built differently raise a `ValueError` (`kmp.core.process_settings`).
+    agreed: `kmp.core.torch_distributed`). Processes whose optimizers were built
+    differently raise a `ValueError` (`kmp.core.loss_scale.process_settings`).
 
     Args:
         inner_optimizer: The Keras optimizer to wrap (not a loss-scale one),
@@ -162,8 +163,9 @@ class LossScaleOptimizer(
     [0.5]
     """
 
-    # This backend's step module (its division and check too, for the
-    # scaling calls of `ScalingMixin`).
+    # This backend's step module, for the halves of the class
+    # (`kmp.core.loss_scale`): its division and check, its checkpoint, how
+    # it reads the persistent-skips numbers.
     _backend_step = _step
 
     def __init__(
@@ -228,7 +230,7 @@ class LossScaleOptimizer(
         self._recipes = recipes.Recipes()
         self._kept_states = steps.KeptStates(_step.snapshot)
         self.nonfinite_mask = None
-        process_settings.check_jax_processes(self)
+        _step.check_processes(self)
         self._create_state_variables()
 
     @property
@@ -342,7 +344,7 @@ class LossScaleOptimizer(
         super().__setattr__(name, value)
 
     def build(self, var_list):
-        process_settings.check_jax_processes(self)
+        _step.check_processes(self)
         self._inner_optimizer.build(var_list)
         _KerasOptimizer.build(self, var_list)
         self._create_nonfinite_mask()
@@ -403,7 +405,7 @@ class LossScaleOptimizer(
                 floating tensor, `tf.IndexedSlices` or None.
             ValueError: the counts of gradients and variables differ, a
                 gradient's shape is not its variable's, or the recipe is
-                ambiguous (see `kmp.core.recipes`).
+                ambiguous (see `kmp.core.loss_scale.recipes`).
         """
         self._apply(grads, trainable_variables, aggregate=True)
 
@@ -424,14 +426,14 @@ class LossScaleOptimizer(
             return  # As Keras: no gradients, no step.
         _step.check_replica_context()
         if not self.built:
-            with _name_scope(self):
+            with name_scope(self):
                 self.build(trainable_variables)
             self.built = True
         self._check_variables_are_known(trainable_variables)
         scaled = self._recipes.grads_are_scaled(grads)
         grads = steps.raw_overwrite_gradients(self, grads, trainable_variables)
         self._recipes.applied()
-        with _name_scope(self):
+        with name_scope(self):
             _step.apply(self, grads, trainable_variables, scaled, aggregate)
 
     def stateless_apply(
@@ -445,7 +447,7 @@ class LossScaleOptimizer(
                 built with.
             trainable_variables: Values of those variables.
             scaled: Whether `grads` are scaled; None decides from what was
-                called on this optimizer (see `kmp.core.recipes`).
+                called on this optimizer (see `kmp.core.loss_scale.recipes`).
 
         Returns:
             `(new trainable variable values, new optimizer variable values)`.
@@ -502,10 +504,6 @@ class LossScaleOptimizer(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
-
-
-def _name_scope(optimizer):
-    return keras.name_scope(optimizer.name, caller=optimizer)
 
 
 __all__ = ["ArgumentTypeError", "LossScaleOptimizer", "PersistentSkipsWarning"]

@@ -18,7 +18,7 @@ their weights and loss scales drift apart for good. There
 across the processes (one all-reduce of a few flags, on the device), and a
 step is applied only if it is finite on every process. It also compares
 the optimizers' settings across the processes at the first step
-(`kmp.core.process_settings`); `every_step=False` does only that, for
+(`kmp.core.loss_scale.process_settings`); `every_step=False` does only that, for
 `DistributedDataParallel`. No call of kmp's waits for ever: a collective
 that a process does not join fails, after `timeout` seconds, with an error
 naming kmp (on CPU tensors; on CUDA tensors kmp adds no wait on the host,

@@ -38,7 +38,7 @@ function checks after every call, without waiting for the device: the JAX
 step and TensorFlow's XLA step return their skips in a row and scale
 packed in one small array (taken out of the logs before Keras sees them;
 under a `tf.distribute` strategy TensorFlow's are packed after the call),
-and each is read one step later (`kmp.core.step.lagged`). So the
+and each is read one step later (`kmp.core.loss_scale.lagged`). So the
 warning appears and "raise" stops `fit` one step after the step that
 reaches the limit (on every process at the same step), with the state of
 the step just run kept (on JAX assigned to the variables before it
@@ -53,10 +53,10 @@ import keras
 from keras.src.trainers import trainer as _keras_trainer
 
 from kmp.core import backend
-from kmp.core import kept_state
 from kmp.core import optimizer as optimizer_module
 from kmp.core import policy as core_policy
-from kmp.core.step import lagged
+from kmp.core.loss_scale import keep_on_skip as kept_state
+from kmp.core.loss_scale import lagged
 from kmp.patches import registry
 
 # The logs entry of a step (JAX's; TensorFlow's under XLA) that holds its

@@ -43,9 +43,9 @@ import numpy as np
 from keras import ops
 
 from kmp.core import backend
-from kmp.core import kept_state
 from kmp.core.checks import checked_float
 from kmp.core.checks import is_indexed_slices
+from kmp.core.loss_scale import keep_on_skip as kept_state
 
 FAULT_KINDS = ("inf", "nan")
 

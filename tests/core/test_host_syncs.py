@@ -92,7 +92,7 @@ def test_counter_attributes_kmps_own_reads_to_kmp(counter):
         optimizer.check_persistent_skips_now(optimizer.variables)
     assert counts.total("read", owner="kmp") == 2, counts.sites("read")
     sites = counts.sites("read", owner="kmp", with_what=False)
-    assert all(s.startswith("kmp/core/optimizer_state.py:") for s in sites)
+    assert all(s.startswith("kmp/core/loss_scale/state.py:") for s in sites)
 
 
 @pytest.mark.torch

@@ -8,7 +8,7 @@ distribution (every replica or device rounds alike), a small classifier
 that learns in bfloat16 where Keras's own update stalls, clipping, and
 errors. TensorFlow's `tf.function`/XLA paths and `MirroredStrategy`, and
 JAX's `DataParallel`, carry their backend's marker. Rounding itself is
-tested in `test_rounding.py`, saving and resuming in
+tested in `low_bit/test_rounding.py`, saving and resuming in
 `test_low_precision_resume.py`.
 """
 

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import kmp
-from kmp.core import codes
-from kmp.core import quantization as q
+from kmp.core.low_bit import codes
+from kmp.core.low_bit import quantization as q
 from kmp.core.low_precision import LowPrecisionOptimizer
 from tests.support import backends
 from tests.support.backends import MODES

@@ -1,5 +1,5 @@
 """Tests for LossScaleOptimizer's steps: which are skipped, and what a skipped
-step leaves behind (kmp.core.tensorflow.step, kmp.core.optimizer_state).
+step leaves behind (kmp.core.tensorflow.step, kmp.core.loss_scale.state).
 
 A step with any inf or NaN gradient is skipped: the variables, the inner
 optimizer's slots and `iterations` stay exactly as they were, and the scale

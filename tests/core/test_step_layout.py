@@ -1,12 +1,13 @@
-"""The shape of `LossScaleOptimizer`'s step: one module per backend, over a
-shared step that tests no backend, and a short walk from `apply_gradients`
-to the update.
+"""The shape of kmp's core: one step module per backend, over concept
+packages that test no backend, and a short walk from `apply_gradients` to
+the update.
 
 Each `kmp/core/<backend>/step.py` is that backend's whole step behind the
 same names (as each `keras/src/backend/<name>/optimizer.py` is); the
-shared step (`kmp/core/step/`) and the rule below it never ask which
-backend runs; and one step, followed from `apply_gradients`, enters at most
-`WALK_LIMIT` of kmp's files, exactly one of them the backend's.
+concept packages (`kmp/core/loss_scale/`, `kmp/core/low_bit/`) never ask
+which backend runs; only the public classes import a backend package; and
+one step, followed from `apply_gradients`, enters at most `WALK_LIMIT` of
+kmp's files, exactly one of them the backend's.
 """
 
 import ast
@@ -23,26 +24,29 @@ from kmp.core import backend
 CORE = pathlib.Path(kmp.__file__).parent / "core"
 BACKENDS = ("tensorflow", "jax", "torch")
 # The names every backend's step module defines, which `optimizer.py` (and
-# `optimizer_scaling.py`, through `LossScaleOptimizer._backend_step`) calls.
+# the halves of the class in `kmp/core/loss_scale/`, through
+# `LossScaleOptimizer._backend_step`) use.
 STEP_NAMES = {
     "apply",
     "stateless_apply",
     "snapshot",
     "check_strategy",
     "check_replica_context",
+    "check_processes",
     "unscale_gradients",
     "all_finite",
     "check_live_scale",
+    "read_value",
+    "checkpoint_children",
+    "READS_SKIPS_AT_ONCE",
 }
-# The shared step, the backend-free rule and bookkeeping it uses, and the
-# scaling calls of the public class.
-SHARED = sorted((CORE / "step").glob("*.py")) + [
-    CORE / "loss_scale.py",
-    CORE / "kept_state.py",
-    CORE / "recipes.py",
-    CORE / "scaling.py",
-    CORE / "optimizer_scaling.py",
-]
+CONCEPTS = ("loss_scale", "low_bit")
+# Every module of the concept packages: they ask no backend.
+SHARED = sorted(
+    path for concept in CONCEPTS for path in (CORE / concept).glob("*.py")
+)
+# The public classes: the only modules that pick a backend.
+PUBLIC = {"optimizer", "low_precision", "legacy", "torch_distributed"}
 BACKEND_TESTS = {"is_tensorflow", "is_jax", "is_torch"}
 WALK_LIMIT = 9
 
@@ -79,11 +83,25 @@ def _kmp_imports(path) -> set:
 @pytest.mark.parametrize(
     "path", SHARED, ids=lambda p: str(p.relative_to(CORE.parent))
 )
-def test_shared_step_tests_no_backend(path):
+def test_concepts_test_no_backend(path):
     assert _backend_tests(path) == [], (
         f"{path.name} asks which backend runs: what differs goes into "
-        "kmp/core/<backend>/step.py"
+        "kmp/core/<backend>/"
     )
+
+
+@pytest.mark.anybackend
+def test_only_the_public_classes_import_a_backend_package():
+    importers = {}
+    for path in sorted(CORE.rglob("*.py")):
+        module = path.relative_to(CORE).with_suffix("")
+        if module.parts[0] in BACKENDS:
+            continue
+        for imported in _kmp_imports(path):
+            for name in BACKENDS:
+                if imported.startswith(f"kmp.core.{name}"):
+                    importers.setdefault(str(module), set()).add(imported)
+    assert set(importers) <= PUBLIC, importers
 
 
 @pytest.mark.anybackend
@@ -100,7 +118,10 @@ def test_each_backend_step_imports_no_other_backend(name):
     # Below the public classes: the shared step, the rule, its own package.
     public = {"kmp.core.optimizer", "kmp.core.low_precision", "kmp.core.legacy"}
     assert not imported & public
-    assert "kmp.core.step.common" in imported or "kmp.core.step" in imported
+    assert (
+        "kmp.core.loss_scale.shared_step" in imported
+        or "kmp.core.step" in imported
+    )
 
 
 @pytest.mark.anybackend

@@ -1,5 +1,5 @@
 """A float16 forward pass that overflows, for the tests of the state a
-skipped step keeps (`kmp.core.kept_state`).
+skipped step keeps (`kmp.core.loss_scale.keep_on_skip`).
 
 Not a test module: a tiny `mixed_float16` model with BatchNormalization
 (fixed initial weights), batches one of which holds an input above

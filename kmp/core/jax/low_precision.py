@@ -1,8 +1,8 @@
 """How `LowPrecisionOptimizer` applies a step on JAX: the inner optimizer's
 own step, with its `update_step` lent; large variables with quantized slots in
-parts, in a loop (`kmp.core.parts`)."""
+parts, in a loop (`kmp.core.low_bit.parts`)."""
 
-from kmp.core.step import low_precision as shared
+from kmp.core.low_bit import shared_step as shared
 
 update_variable = shared.update_variable
 view = shared.view

@@ -1,7 +1,7 @@
 """One `LossScaleOptimizer` step on JAX: `stateless_apply`, `apply`, and
 what `keep_on_skip` keeps.
 
-The step is pure (`kmp.core.step.common.stateless_apply`): in a trace
+The step is pure (`kmp.core.loss_scale.shared_step.stateless_apply`): in a trace
 (`jax.jit`: `fit`'s compiled step, a jitted loop) the inner optimizer's
 `stateless_apply` runs in one branch of a `lax.cond` on the finite check,
 and the other branch returns the values it was given (as Keras's own
@@ -15,18 +15,20 @@ eagerly (no trace), the update runs op by op as the inner optimizer's own
 and each value is then selected on the device, without reading the finite
 check on the host. The stateful `apply` is that step on the variables'
 values, assigned after. A traced step's persistent-skips report is left to
-`check_persistent_skips` on its results (`kmp.core.step.lagged`).
+`check_persistent_skips` on its results (`kmp.core.loss_scale.lagged`).
 """
 
 import jax
 import keras
+import numpy as np
 from keras import ops
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 
-from kmp.core import jax_tracing
-from kmp.core import loss_scale
-from kmp.core import scaling
-from kmp.core.step import common
+from kmp.core.loss_scale import jax_tracing
+from kmp.core.loss_scale import process_settings
+from kmp.core.loss_scale import rule as loss_scale
+from kmp.core.loss_scale import scaling
+from kmp.core.loss_scale import shared_step as common
 
 
 def stateless_apply(
@@ -90,8 +92,9 @@ check_live_scale = jax_tracing.check_live_scale
 
 
 def choose(apply_ok, applied, skipped):
-    """JAX's way to apply or skip (`kmp.core.step.common.stateless_apply`'s)."""
-    if any_tracer([apply_ok]):
+    """JAX's way to apply or skip
+    (`kmp.core.loss_scale.shared_step.stateless_apply`'s)."""
+    if jax_tracing.any_tracer([apply_ok]):
         # Traced (jax.jit, fit): the inner update in a branch of its own.
         return ops.cond(apply_ok, applied, skipped)
     # Run eagerly, op by op, as the inner optimizer's own; then chosen on
@@ -101,23 +104,19 @@ def choose(apply_ok, applied, skipped):
 
 def branch_unscale(optimizer):
     """How the applying branch unscales the gradients of the scaled loss
-    itself (`kmp.core.step.common.stateless_apply`'s `unscale_in_branch`),
-    or None. Where every scale the optimizer can take is a power of two
-    (`loss_scale.powers_of_two`: the default rule's), by a multiplication
-    by the reciprocal, which gives the division's values exactly and which
-    XLA fuses into each update fusion that reads the gradient, as the
-    check's division into its reductions: no unscaled copy is written out.
+    itself (`kmp.core.loss_scale.shared_step.stateless_apply`'s
+    `unscale_in_branch`), or None. Where every scale the optimizer can take
+    is a power of two (`loss_scale.powers_of_two`: the default rule's), by a
+    multiplication by the reciprocal, which gives the division's values
+    exactly and which XLA fuses into each update fusion that reads the
+    gradient, as the check's division into its reductions: no unscaled copy
+    is written out.
     Otherwise None: the quotients are written out once, before the branch,
     and read by the check and the update (XLA repeats no division in
     several fusions, so dividing in the branch again would save nothing)."""
     if loss_scale.powers_of_two(optimizer.rule, optimizer.initial_scale):
         return scaling.unscale_by_reciprocal
     return None
-
-
-def any_tracer(values) -> bool:
-    """Whether any of `values` is being traced by JAX (jit, grad, ...)."""
-    return any(isinstance(v, jax.core.Tracer) for v in values)
 
 
 def select(condition, when_true, when_false):
@@ -156,3 +155,50 @@ def check_strategy() -> None:
 
 def check_replica_context() -> None:
     """Nothing to check (TensorFlow's `tf.distribute` replica contexts)."""
+
+
+read_value = common.read_copy
+checkpoint_children = common.no_checkpoint_children
+
+
+# A report on persistent skips reads its numbers a step later
+# (`check_persistent_skips`): reading a device array at once would wait.
+READS_SKIPS_AT_ONCE = False
+
+
+def _spans_several_processes() -> bool:
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return False
+    devices = np.asarray(distribution.device_mesh.devices).reshape(-1)
+    processes = {getattr(d, "process_index", 0) for d in devices}
+    return len(processes) > 1
+
+
+def check_processes(optimizer) -> None:
+    """Compares `optimizer`'s settings across JAX processes, once
+    (`kmp.core.loss_scale.process_settings`).
+
+    Only under a `keras.distribution` whose devices belong to several
+    processes: there every process creates the same variables together
+    (Keras makes that a collective), so gathering the settings cannot wait
+    for a process that does not come. Elsewhere, and after the first check,
+    nothing happens.
+
+    Args:
+        optimizer: The `LossScaleOptimizer`, being created or built.
+
+    Raises:
+        ValueError: see `process_settings.check_gathered`.
+    """
+    if getattr(optimizer, "_settings_checked", False):
+        return
+    if not _spans_several_processes():
+        return
+    from jax.experimental import multihost_utils
+
+    # As 32-bit words: JAX without x64 would round float64 to float32.
+    words = process_settings.encode(optimizer).view("uint32")
+    rows = np.asarray(multihost_utils.process_allgather(words))
+    optimizer._settings_checked = True
+    process_settings.check_gathered(rows.astype("uint32").view("float64"))

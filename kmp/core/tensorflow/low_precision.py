@@ -16,11 +16,11 @@ import functools
 
 from kmp.core import backend
 from kmp.core import borrow
-from kmp.core import codes
-from kmp.core import rounding
-from kmp.core.step import low_precision as shared
-from kmp.core.tensorflow import apply as tf_apply
+from kmp.core.low_bit import codes
+from kmp.core.low_bit import rounding
+from kmp.core.low_bit import shared_step as shared
 from kmp.core.tensorflow import rounding as tf_rounding
+from kmp.core.tensorflow import step as tf_step
 
 tf = backend.tensorflow()
 
@@ -46,7 +46,7 @@ def sum_over_replicas(grads_and_vars):
     """The pairs with their gradients summed over `tf.distribute`
     replicas, one all-reduce per dtype."""
     pairs = list(grads_and_vars)
-    grads = tf_apply.sum_over_replicas([g for g, _ in pairs])
+    grads = tf_step.sum_over_replicas([g for g, _ in pairs])
     return [(g, v) for g, (_, v) in zip(grads, pairs)]
 
 
@@ -85,8 +85,8 @@ def update_in_parts(
     optimizer, gradient, learning_rate, variable, index, bounds
 ):
     """A large variable's update with quantized slots in parts
-    (`kmp.core.parts`), inside its compiled update: a `tf.while_loop`
-    carrying the flat arrays (`kmp.core.step.low_precision`).
+    (`kmp.core.low_bit.parts`), inside its compiled update: a `tf.while_loop`
+    carrying the flat arrays (`kmp.core.low_bit.shared_step`).
 
     The parts slice the gradient flat, so a sparse one (`tf.IndexedSlices`:
     an `Embedding`'s rows) is made dense first, in the variable's shape
@@ -133,7 +133,8 @@ def plain_part_view(slot, part):
 
 
 def part_view(optimizer, variable, model_variable, compensation, dtype, part):
-    """The float32 stand-in for `part` of `variable` (`kmp.core.parts`)."""
+    """The float32 stand-in for `part` of `variable`
+    (`kmp.core.low_bit.parts`)."""
     return tf_rounding.PartView(
         variable,
         model_variable,

@@ -133,7 +133,7 @@ class Float32View:
 
 class DequantizedView(Float32View):
     """A quantized slot's float32 stand-in for one call of an `update_step`
-    (`kmp.core.quantization.QuantizedSlot`): reads as the slot's
+    (`kmp.core.low_bit.quantization.QuantizedSlot`): reads as the slot's
     dequantized value, computed once; assignments replace that value."""
 
     def __init__(self, slot):
@@ -157,7 +157,7 @@ class DequantizedView(Float32View):
 
 
 class PartView(Float32View):
-    """A part of a variable's update (`kmp.core.parts.Part`) as a flat
+    """A part of a variable's update (`kmp.core.low_bit.parts.Part`) as a flat
     float32 stand-in: `Float32View` of its elements (`compensation`: the
     compensation variable, read through the part)."""
 
@@ -181,8 +181,8 @@ class PartView(Float32View):
 
 
 class DequantizedPartView(DequantizedView):
-    """A part of a quantized slot (`kmp.core.parts.Part`) as a flat float32
-    stand-in."""
+    """A part of a quantized slot (`kmp.core.low_bit.parts.Part`) as a flat
+    float32 stand-in."""
 
     def __init__(self, slot, part):
         super().__init__(slot)
@@ -197,8 +197,8 @@ class DequantizedPartView(DequantizedView):
 
 
 class PlainPartView(Float32View):
-    """A part of a plain (not quantized) slot (`kmp.core.parts.Part`) as a
-    flat stand-in in the slot's own dtype: assignments round to it, as
+    """A part of a plain (not quantized) slot (`kmp.core.low_bit.parts.Part`) as
+    a flat stand-in in the slot's own dtype: assignments round to it, as
     assigning to the slot whole does."""
 
     def __init__(self, slot, part):

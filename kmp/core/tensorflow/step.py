@@ -2,21 +2,20 @@
 `tf.distribute`.
 
 `apply` sums the gradients across replicas once (before the finite check, so
-every replica decides alike; the inner optimizer, and every optimizer inside
-it such as a `MultiOptimizer`'s, then applies them without summing again),
-unscales them (by the scale's reciprocal where every scale is a power of
-two, `step_unscale`) and checks them (`kmp.core.step.common.prepare`), and
-applies or skips. In a graph the update either waits for the finite check in
-a cond (lowered into the graph, as TensorFlow does it, so Grappler optimizes
-the update exactly as without the cond, and its arithmetic is the inner
-optimizer's own) or, for Keras's optimizers on models of many small
-variables, is applied at once and, on a skipped step, the state read just
-before is written back, exactly (`read_for_restore`). What only a skipped
-step needs runs in one `If` kept as a single function call
-(`cond_as_one_call`). `stateless_apply` refuses, as Keras's TensorFlow
-optimizers do; `snapshot` is what `keep_on_skip` keeps; `check_strategy` and
-`check_replica_context` are the strategy checks of the optimizer's
-constructor and of each step.
+every replica decides alike; the inner optimizer, and every optimizer inside it
+such as a `MultiOptimizer`'s, then applies them without summing again), unscales
+them (by the scale's reciprocal where every scale is a power of two,
+`step_unscale`) and checks them (`kmp.core.loss_scale.shared_step.prepare`), and
+applies or skips. In a graph the update either waits for the finite check in a
+cond (lowered into the graph, as TensorFlow does it, so Grappler optimizes the
+update exactly as without the cond, and its arithmetic is the inner optimizer's
+own) or, for Keras's optimizers on models of many small variables, is applied at
+once and, on a skipped step, the state read just before is written back, exactly
+(`read_for_restore`). What only a skipped step needs runs in one `If` kept as a
+single function call (`cond_as_one_call`). `stateless_apply` refuses, as Keras's
+TensorFlow optimizers do; `snapshot` is what `keep_on_skip` keeps;
+`check_strategy` and `check_replica_context` are the strategy checks of the
+optimizer's constructor and of each step.
 """
 
 import keras
@@ -26,9 +25,10 @@ from tensorflow.python.ops import control_flow_util_v2
 
 from kmp.core import backend
 from kmp.core import borrow
-from kmp.core import loss_scale
-from kmp.core import scaling
-from kmp.core.step import common as steps
+from kmp.core.loss_scale import rule as loss_scale
+from kmp.core.loss_scale import scaling
+from kmp.core.loss_scale import shared_step as steps
+from kmp.core.tensorflow import checkpoint
 from kmp.core.tensorflow.fused import FusedAdam
 
 tf = backend.tensorflow()
@@ -249,9 +249,9 @@ def _after_step(
 
 
 def all_finite(gradients):
-    """TensorFlow's finite check: a quick sum decides first (a few ops per
-    step, `tf.add_n` for a sum of many tensors), the elementwise check only
-    when it is not finite (`kmp.core.scaling.all_finite_quick_sum_first`)."""
+    """TensorFlow's finite check: a quick sum decides first (a few ops per step,
+    `tf.add_n` for a sum of many tensors), the elementwise check only when it is
+    not finite (`kmp.core.loss_scale.scaling.all_finite_quick_sum_first`)."""
     return scaling.all_finite_quick_sum_first(gradients, tf.add_n)
 
 
@@ -528,3 +528,23 @@ def without_gradient_aggregation(optimizer):
 def check_live_scale(scale, given, method) -> None:
     """Nothing to check (JAX's: a scale read inside `jax.jit`)."""
     del scale, given, method  # (A body: AutoGraph converts this function.)
+
+
+def read_value(variable):
+    """A snapshot of `variable`'s value now (a tensor later steps do not
+    change), also of a `tf.distribute` variable in cross-replica context."""
+    return tf.identity(variable.value)
+
+
+# The loss-scale state's children in a `tf.train.Checkpoint`.
+checkpoint_children = checkpoint.loss_scale_children
+
+
+# A report on persistent skips reads its numbers a step later
+# (`check_persistent_skips`): reading a device tensor at once would wait.
+READS_SKIPS_AT_ONCE = False
+
+
+def check_processes(optimizer) -> None:
+    """Nothing: every `tf.distribute` replica and worker runs one
+    optimizer, built once."""

@@ -13,7 +13,7 @@ constraint, every `rounding`, moments quantized or float32. One graph per
 shape, dtypes and structure; the learning rate, bias corrections, weight
 decay and stochastic-rounding key are tensors computed once per step with
 Keras's own operations, so no step recompiles, and nothing is read back to
-the host. Variables updated in parts (`kmp.core.parts`) are compiled per
+the host. Variables updated in parts (`kmp.core.low_bit.parts`) are compiled per
 part (whole parts share a graph); a last, partial block is updated eagerly
 (see `_update`).
 
@@ -42,10 +42,10 @@ import torch
 from keras import ops
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 
-from kmp.core import codes
-from kmp.core import parts
-from kmp.core import quantization
-from kmp.core import rounding
+from kmp.core.low_bit import parts
+from kmp.core.low_bit import quantization
+from kmp.core.low_bit import rounding
+from kmp.core.torch import codes as torch_codes
 from kmp.core.torch import rounding as stream
 
 ENVIRONMENT = "KMP_TORCH_COMPILE"
@@ -71,7 +71,7 @@ def apply(optimizer, grads, variables, learning_rate):
     """Applies the compiled update to each variable it fits; returns the
     `(grads, variables)` left for the eager update, and the tails
     `[(gradient, variable, index, bounds), ...]` left for the eager update
-    in parts (`kmp.core.parts`)."""
+    in parts (`kmp.core.low_bit.parts`)."""
     inner = optimizer.inner_optimizer
     tails = []
     if not enabled() or in_stateless_scope() or not supports(inner):
@@ -155,7 +155,7 @@ def _update(
     optimizer, gradient, variable, index, moments, scalars, tails
 ) -> bool:
     """Runs the compiled update of variable `index` (in parts where
-    `kmp.core.parts` says so; a last, partial block appended to `tails`
+    `kmp.core.low_bit.parts` says so; a last, partial block appended to `tails`
     for the eager update in parts); False where it could not be
     compiled."""
     inner = optimizer.inner_optimizer
@@ -227,7 +227,7 @@ def _is_quantized(slot) -> bool:
     return isinstance(slot, quantization.QuantizedSlot)
 
 
-# `kmp.core.parts.bounds` updates in parts where the backend's
+# `kmp.core.low_bit.parts.bounds` updates in parts where the backend's
 # `update_in_parts` is not None: here, the compiled parts.
 _in_parts = object()
 
@@ -255,7 +255,11 @@ def _arguments(flat, moments, start, stop):
             scales = slot.scales.value.reshape(-1)
             scales = scales[start // block : start // block + count]
             signed = quantization.is_signed(slot.name)
-            tensors += [data, scales, *_tables(code, signed, data.device)]
+            tensors += [
+                data,
+                scales,
+                *torch_codes.tables(code, signed, data.device),
+            ]
             static += ((code.name, block, signed),)
         else:
             tensors += [
@@ -267,28 +271,6 @@ def _arguments(flat, moments, start, stop):
             ]
             static += (None,)
     return tensors, static
-
-
-_TABLES = {}
-
-
-def _tables(code, signed, device):
-    """`(values, find, splits)`: the code's values and how a value finds
-    its code (8 bits: `codes.code_tables`; 4 bits: the midpoints)."""
-    key = (code.name, signed, str(device))
-    if key not in _TABLES:
-        values = torch.as_tensor(code.table(signed), device=device)
-        find = splits = None
-        if code.name == "8bit":
-            candidates, split = codes.code_tables(signed)
-            find = torch.as_tensor(candidates, device=device)
-            splits = torch.as_tensor(split, device=device)
-        elif code.name == "4bit":
-            table = codes.log_code(signed).astype("float64")
-            midpoints = ((table[1:] + table[:-1]) / 2).astype("float32")
-            find = torch.as_tensor(midpoints, device=device)
-        _TABLES[key] = (values, find, splits)
-    return _TABLES[key]
 
 
 _OFFSETS = {}
@@ -458,15 +440,16 @@ def _write(value, data, scales, find, splits, structure, name):
     divisor = torch.where(largest > 0, largest, torch.ones_like(largest))
     normalized = (grid / divisor[:, None]).reshape(-1)
     if code_name == "float8":
-        scaled = torch.clamp(normalized * codes.FLOAT8_MAX, -448.0, 448.0)
-        packed = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+        packed = torch_codes.float8_bytes(normalized)
     else:
         if code_name == "4bit":
             found = _bucketized(normalized, find)
             pairs = found.reshape(-1, 2)
             found = pairs[:, 0] * 16 + pairs[:, 1]
         else:
-            found = _nearest_dynamic(normalized, signed, find, splits)
+            found = torch_codes.nearest_dynamic(
+                normalized, signed, find, splits
+            )
         packed = found.to(torch.uint8)
     data.copy_(packed)
     scales.copy_(largest)
@@ -483,22 +466,8 @@ def _bucketized(normalized, midpoints):
     return torch.where(torch.isnan(normalized), last, found)
 
 
-def _nearest_dynamic(normalized, signed, candidates, splits):
-    """`kmp.core.torch.low_precision._nearest_dynamic` on given tables."""
-    magnitude = torch.clamp(torch.abs(normalized), max=1.0)
-    key = torch.bitwise_right_shift(
-        magnitude.view(torch.int32), codes.DROPPED_BITS
-    ).long()
-    code = candidates[key]
-    code = code + torch.gt(magnitude, splits[key])
-    if signed:
-        mirrored = torch.clamp(254 - code, min=0)
-        code = torch.where(normalized < 0, mirrored, code)
-    return code
-
-
 def _stochastic(value, dtype, key, offset):
-    """`kmp.core.rounding.stochastic_round` of float32 `value` with the
+    """`kmp.core.low_bit.rounding.stochastic_round` of float32 `value` with the
     torch stream's bits (`kmp.core.torch.rounding.random_bits`)."""
     count = torch.arange(value.shape[0], dtype=torch.int64, device=value.device)
     count = count + offset

@@ -10,7 +10,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from kmp.core import process_settings
+from kmp.core.loss_scale import process_settings
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 

@@ -14,7 +14,7 @@ Inside `kmp.LossScaleOptimizer` the step then reads nothing from the
 device: the scale and the finite flag go into the kernel, the iteration
 count and the loss-scale state are updated on the device
 (`kmp.core.torch.step.apply_fused`), and the persistent-skips check reads
-a step late (`kmp.core.step.lagged`).
+a step late (`kmp.core.loss_scale.lagged`).
 
 Their arithmetic is PyTorch's, so results are close to Keras's, not bit
 for bit:

@@ -18,10 +18,10 @@ from keras import ops
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 
 from kmp.core import borrow
-from kmp.core import codes
-from kmp.core import parts
-from kmp.core import rounding
-from kmp.core.step import low_precision as shared
+from kmp.core.low_bit import parts
+from kmp.core.low_bit import rounding
+from kmp.core.low_bit import shared_step as shared
+from kmp.core.torch import codes as torch_codes
 from kmp.core.torch import compiled
 
 update_variable = shared.update_variable
@@ -35,7 +35,7 @@ plain_part_view = shared.plain_part_view
 def update_in_parts(
     optimizer, gradient, learning_rate, variable, index, bounds
 ):
-    """Variable `index`'s update in parts (`kmp.core.parts`), one after
+    """Variable `index`'s update in parts (`kmp.core.low_bit.parts`), one after
     another, each written in place (in a stateless scope, into new values:
     the scope's tensors are the caller's)."""
     flat_gradient = gradient.reshape(-1)
@@ -60,53 +60,8 @@ def update_in_parts(
         )
 
 
-def nearest_code(normalized, signed: bool, code):
-    """`kmp.core.codes.nearest` in torch: torch runs operations one by
-    one, each a pass over memory, so each code gets a form of a few:
-
-    * 8 bits: a look-up (`codes.code_tables`), about eight operations
-      where the elementwise form takes some forty;
-    * 4 bits: `torch.bucketize` over the code's midpoints;
-    * float8: torch's own cast to float8_e4m3fn (round to nearest-even,
-      as `codes.nearest_float8`), read as its bytes.
-    """
-    if code.name == "float8":
-        scaled = torch.clamp(normalized * codes.FLOAT8_MAX, -448.0, 448.0)
-        return scaled.to(torch.float8_e4m3fn).view(torch.uint8).int()
-    if code.name == "4bit":
-        midpoints = _midpoints(signed, normalized.device)
-        return torch.bucketize(normalized, midpoints).int()
-    return _nearest_dynamic(normalized, signed)
-
-
-def _nearest_dynamic(normalized, signed: bool):
-    candidates, splits = _tables(signed, normalized.device)
-    magnitude = torch.clamp(torch.abs(normalized), max=1.0)
-    key = torch.bitwise_right_shift(
-        magnitude.view(torch.int32), codes.DROPPED_BITS
-    ).long()
-    code = torch.take(candidates, key)
-    code += torch.gt(magnitude, torch.take(splits, key))
-    if signed:
-        mirrored = torch.clamp(254 - code, min=0)
-        code = torch.where(normalized < 0, mirrored, code)
-    return code
-
-
-@functools.lru_cache(maxsize=None)
-def _midpoints(signed, device):
-    table = codes.log_code(signed).astype("float64")
-    midpoints = ((table[1:] + table[:-1]) / 2).astype("float32")
-    return torch.as_tensor(midpoints, device=device)
-
-
-@functools.lru_cache(maxsize=None)
-def _tables(signed, device):
-    candidates, splits = codes.code_tables(signed)
-    return (
-        torch.as_tensor(candidates, device=device),
-        torch.as_tensor(splits, device=device),
-    )
+# The nearest code to each value, in torch's forms.
+nearest_code = torch_codes.nearest
 
 
 def apply_update(optimizer, grads, variables):

@@ -30,15 +30,15 @@ scale and a "found inf" flag go into the optimizer's kernel, which divides
 the gradients itself and leaves everything as it was when the flag is set,
 as PyTorch's fused optimizers under `GradScaler` do; the iteration count
 and the loss-scale state are updated on the device, and the
-persistent-skips check reads a step late (`kmp.core.step.lagged`).
+persistent-skips check reads a step late (`kmp.core.loss_scale.lagged`).
 """
 
 import torch
 
 from kmp.core import checks
-from kmp.core import scaling
-from kmp.core.step import common
-from kmp.core.step import lagged
+from kmp.core.loss_scale import lagged
+from kmp.core.loss_scale import scaling
+from kmp.core.loss_scale import shared_step as common
 from kmp.core.torch import distributed
 from kmp.core.torch import fused
 
@@ -72,8 +72,8 @@ def stateless_apply(
     optimizer, optimizer_variables, grads, trainable_variables, scaled
 ):
     """See `LossScaleOptimizer.stateless_apply`: the pure step of
-    `kmp.core.step.common.stateless_apply`, with torch's unscale, agreement and
-    `choose`."""
+    `kmp.core.loss_scale.shared_step.stateless_apply`, with torch's unscale,
+    agreement and `choose`."""
     new_trainable, new_values, in_a_row, scale = common.stateless_apply(
         optimizer,
         optimizer_variables,
@@ -99,7 +99,7 @@ def agree(finite, apply_ok, per_gradient, optimizer):
 
 def choose(apply_ok, applied, skipped):
     """How `stateless_apply` applies or skips on torch (`choose` of
-    `kmp.core.step.common.stateless_apply`): Keras's torch optimizers
+    `kmp.core.loss_scale.shared_step.stateless_apply`): Keras's torch optimizers
     update the values they are given in place, also in a StatelessScope,
     so the step is decided first (its one read of the device, as
     `apply`'s)."""
@@ -111,9 +111,10 @@ all_finite = scaling.all_finite
 
 
 def unscale_gradients(gradients, scale, keep=()):
-    """`kmp.core.scaling.unscale_gradients`, with `unscale`'s multi-tensor
-    ops where every gradient is a torch tensor (or None) and `scale` a
-    tensor or variable (the public `get_unscaled_gradients` on torch)."""
+    """`kmp.core.loss_scale.scaling.unscale_gradients`, with `unscale`'s
+    multi-tensor ops where every gradient is a torch tensor (or None) and
+    `scale` a tensor or variable (the public `get_unscaled_gradients` on
+    torch)."""
     gradients = list(gradients)
     value = getattr(scale, "value", scale)
     if torch.is_tensor(value) and all(
@@ -289,7 +290,7 @@ def check_replica_context() -> None:
 
 class HostCopy:
     """A small tensor's copy to the host, started now, read later (what
-    `kmp.core.step.lagged` keeps): on CUDA into pinned memory without
+    `kmp.core.loss_scale.lagged` keeps): on CUDA into pinned memory without
     waiting, with an event to wait for when it is read."""
 
     def __init__(self, tensor):
@@ -317,7 +318,7 @@ class HostCopy:
 
 
 class TorchOps:
-    """The operations `ScaleRule.next` and `kmp.core.step.common.
+    """The operations `ScaleRule.next` and `kmp.core.loss_scale.shared_step.
     update_state` take, in torch, in place: Python numbers are kernel
     arguments (`scale * factor`, `clamp_min`), nothing is uploaded; the
     state is the variables' tensors as they are. A flag the host knows (a
@@ -383,3 +384,18 @@ class TorchOps:
 def check_live_scale(scale, given, method) -> None:
     """Nothing to check (JAX's: a scale read inside `jax.jit`)."""
     del scale, given, method  # (A body: AutoGraph converts this function.)
+
+
+read_value = common.read_copy
+checkpoint_children = common.no_checkpoint_children
+
+
+# The step reads the device once anyway, to apply or skip (as
+# `GradScaler`): the persistent-skips numbers are read at once, not a step
+# later (`kmp.core.loss_scale.lagged`).
+READS_SKIPS_AT_ONCE = True
+
+
+def check_processes(optimizer) -> None:
+    """Nothing here: processes compare their settings at the first step
+    where they agree on every step (`kmp.core.torch.distributed`)."""

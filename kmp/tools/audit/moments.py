@@ -1,17 +1,16 @@
 """How much of Adam's update 8-bit moments lose, per layer.
 
-`kmp.LowPrecisionOptimizer(..., slot_dtype="8bit")` keeps Adam's moments in
-8 bits per element with a scale per block (`kmp.core.quantization`). Where a
-block mixes values many decades apart, its small values lose most of their
-precision. What matters is the update the moments give, `m / (sqrt(v) +
-eps)`, so that is what is measured: the audit's batch gradients of each
-weight are averaged into Adam's two moments (its default betas, the batches
-in order), the moments are written to 8 bits and read back, and the
-update from them is compared with the exact one:
-`||u_8bit - u|| / ||u||`. Weights smaller than the optimizer's
-`min_8bit_size` (4096 elements by default) keep their moments and are not
-measured. With few batches the moments are a few gradients' averages: the
-measure shows how the values of a layer spread within its blocks, which is
+`kmp.LowPrecisionOptimizer(..., slot_dtype="8bit")` keeps Adam's moments in 8
+bits per element with a scale per block (`kmp.core.low_bit.quantization`). Where
+a block mixes values many decades apart, its small values lose most of their
+precision. What matters is the update the moments give, `m / (sqrt(v) + eps)`,
+so that is what is measured: the audit's batch gradients of each weight are
+averaged into Adam's two moments (its default betas, the batches in order), the
+moments are written to 8 bits and read back, and the update from them is
+compared with the exact one: `||u_8bit - u|| / ||u||`. Weights smaller than the
+optimizer's `min_8bit_size` (4096 elements by default) keep their moments and
+are not measured. With few batches the moments are a few gradients' averages:
+the measure shows how the values of a layer spread within its blocks, which is
 what decides.
 """
 
@@ -20,8 +19,8 @@ import math
 import numpy as np
 from keras import ops
 
-from kmp.core import codes
-from kmp.core import quantization
+from kmp.core.low_bit import codes
+from kmp.core.low_bit import quantization
 
 BETA_1, BETA_2, EPSILON = 0.9, 0.999, 1e-7
 # The largest error of a layer's update that 8 bits may make before the

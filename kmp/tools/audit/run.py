@@ -39,8 +39,8 @@ from typing import Union
 import keras
 import numpy as np  # noqa: F401 - for the example.
 
-from kmp.core import loss_scale as _rule
 from kmp.core.checks import checked_float
+from kmp.core.loss_scale import rule as _rule
 from kmp.core.policy import PolicyLike
 from kmp.core.policy import as_policy as _to_policy
 from kmp.tools import models

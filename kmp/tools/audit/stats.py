@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from kmp.core import loss_scale as _rule
+from kmp.core.loss_scale import rule as _rule
 from kmp.tools import models
 from kmp.tools.audit import moments as audit_moments
 from kmp.tools.audit.report import DTYPE_RANGES

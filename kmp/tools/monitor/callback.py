@@ -42,7 +42,7 @@ import keras
 
 from kmp.core import backend
 from kmp.core.optimizer import LossScaleOptimizer
-from kmp.core.optimizer_state import read_value
+from kmp.core.optimizer import read_value
 from kmp.tools.monitor import output
 
 logger = logging.getLogger("kmp")

@@ -1,18 +1,17 @@
 """A large variable's update in parts copies no whole array.
 
 `LowPrecisionOptimizer` updates a variable of more than
-`kmp.core.parts.PART_ELEMENTS` elements with quantized state in parts, in
-a loop whose carry is the arrays the parts write
-(`kmp.core.step.low_precision.update_in_parts`). A part's update decodes
-its old codes for its moments and again inside the weights' fusion; when
-both read the carried codes, nothing ordered that second read before the
-codes' in-place write, and XLA copied each moment's whole codes and
-scales at every part: a 4096x4096 kernel's update copied 16 MB four
-times per part, 16 parts a step. The loop now also carries each part's
-own slice of the codes and scales, which the part decodes. Here the
-optimized HLO of a jitted, donating update of one 2048x2048 bfloat16
-kernel (4 parts) is compiled, nothing run, and its copies of arrays
-larger than a part are counted (`benchmarks/step_counting/compiled.py`'s
+`kmp.core.low_bit.parts.PART_ELEMENTS` elements with quantized state in parts,
+in a loop whose carry is the arrays the parts write
+(`kmp.core.low_bit.shared_step.update_in_parts`). A part's update decodes its
+old codes for its moments and again inside the weights' fusion; when both read
+the carried codes, nothing ordered that second read before the codes' in-place
+write, and XLA copied each moment's whole codes and scales at every part: a
+4096x4096 kernel's update copied 16 MB four times per part, 16 parts a step. The
+loop now also carries each part's own slice of the codes and scales, which the
+part decodes. Here the optimized HLO of a jitted, donating update of one
+2048x2048 bfloat16 kernel (4 parts) is compiled, nothing run, and its copies of
+arrays larger than a part are counted (`benchmarks/step_counting/compiled.py`'s
 `hlo_large_copies`): none, in the loop or outside it.
 """
 
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 
 import kmp
-from kmp.core import parts
+from kmp.core.low_bit import parts
 from tests.support import step_counting as step_counting_loader
 
 pytestmark = pytest.mark.jax

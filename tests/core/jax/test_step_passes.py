@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import kmp
-from kmp.core import loss_scale
+from kmp.core.loss_scale import rule as loss_scale
 from tests.support import step_counting as step_counting_loader
 
 pytestmark = pytest.mark.jax
@@ -96,9 +96,9 @@ def test_gradients_unscaled_first_or_a_scale_not_a_power_of_two_cost_a_pass(
     ids=["default", "1000", "backoff_0.75"],
 )
 def test_the_update_multiplies_where_every_scale_is_a_power_of_two(settings):
-    # Which settings those are: tests/core/test_loss_scale.py.
-    from kmp.core import scaling
+    # Which settings those are: tests/core/loss_scale/test_rule.py.
     from kmp.core.jax import step
+    from kmp.core.loss_scale import scaling
 
     optimizer = kmp.LossScaleOptimizer(keras.optimizers.Adam(), **settings)
     powers = loss_scale.powers_of_two(optimizer.rule, optimizer.initial_scale)

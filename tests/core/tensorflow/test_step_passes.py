@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import kmp
-from kmp.core import loss_scale
+from kmp.core.loss_scale import rule as loss_scale
 from tests.support import step_counting as step_counting_loader
 
 pytestmark = pytest.mark.tensorflow
@@ -80,8 +80,8 @@ def test_the_loops_division_is_written_out_once(counts):
     ids=["default", "1000", "backoff_0.75"],
 )
 def test_the_update_multiplies_where_every_scale_is_a_power_of_two(settings):
-    # Which settings those are: tests/core/test_loss_scale.py.
-    from kmp.core import scaling
+    # Which settings those are: tests/core/loss_scale/test_rule.py.
+    from kmp.core.loss_scale import scaling
     from kmp.core.tensorflow import step
 
     optimizer = kmp.LossScaleOptimizer(keras.optimizers.Adam(), **settings)
