@@ -94,7 +94,7 @@ check_live_scale = jax_tracing.check_live_scale
 def choose(apply_ok, applied, skipped):
     """JAX's way to apply or skip
     (`kmp.core.loss_scale.shared_step.stateless_apply`'s)."""
-    if jax_tracing.any_tracer([apply_ok]):
+    if isinstance(apply_ok, jax.core.Tracer):
         # Traced (jax.jit, fit): the inner update in a branch of its own.
         return ops.cond(apply_ok, applied, skipped)
     # Run eagerly, op by op, as the inner optimizer's own; then chosen on
