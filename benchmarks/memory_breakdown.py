@@ -208,7 +208,7 @@ def _alive_at_peak(tf, run_step, count):
     allocated before the step (weights, slots, the batch) are not in it.
     Returns `[megabytes, op, shape, dtype]` lists, largest first.
     """
-    from op_profile import _load_xspace
+    from diagnostics.op_profile import _load_xspace
 
     directory = tempfile.mkdtemp(prefix="kmp-memory-")
     try:

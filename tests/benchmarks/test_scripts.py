@@ -2,10 +2,13 @@
 
 Each entry of `SMOKE` runs `python benchmarks/<script> <args>` in a
 subprocess (cwd a temporary directory) and checks its exit code and a text
-it must print. Numbers from these runs mean nothing; the point is that a
-script whose imports or options rot fails here. A new script fails
-`test_table_covers_every_script` until it has its entry. (The GPU runner,
-`benchmarks/gpu/`, has its own tiny runs in `test_gpu_runner.py`.)
+it must print; a script's name is its path under `benchmarks/`
+(`diagnostics/op_profile.py`). Numbers from these runs mean nothing; the
+point is that a script whose imports or options rot fails here. A new
+script fails `test_table_covers_every_script` until it has its entry, and
+a new diagnostic until `benchmarks/diagnostics/README.md` lists it. (The
+GPU runner, `benchmarks/gpu/`, has its own tiny runs in
+`test_gpu_runner.py`.)
 """
 
 import json
@@ -23,11 +26,14 @@ BENCHMARKS = ROOT / "benchmarks"
 # script -> (arguments, text its output must contain); "{tmp}" in an
 # argument is the test's temporary directory.
 SMOKE = {
-    "bf16_breakdown.py": (["--quick"], "no-update"),
+    "diagnostics/bf16_breakdown.py": (["--quick"], "no-update"),
     "bf16_speedup.py": (["--quick", "--models", "mlp"], ">= 1.7x"),
     "loss_scale_overhead.py": (["--quick", "--models", "mlp"], "<= +3%"),
-    "lstm_graph.py": ([], "Training step (forward and gradient)"),
-    "overhead_breakdown.py": (
+    "diagnostics/lstm_graph.py": (
+        [],
+        "Training step (forward and gradient)",
+    ),
+    "diagnostics/overhead_breakdown.py": (
         "--layers 2 --units 16 --rounds 1 --steps 2 --warmup 1"
         " --variants plain,kmp".split(),
         "Adam alone",
@@ -42,8 +48,8 @@ SMOKE = {
         ["--quick", "--models", "mlp", "--variants", "bf16-input"],
         "bf16-input",
     ),
-    "memory_keras_vs_raw.py": (["--quick"], "bf16 / float32"),
-    "op_profile.py": (["--quick"], "ReadVariableOp"),
+    "diagnostics/memory_keras_vs_raw.py": (["--quick"], "bf16 / float32"),
+    "diagnostics/op_profile.py": (["--quick"], "ReadVariableOp"),
 }
 
 # Scripts that run on every backend (here on the one the suite runs on).
@@ -81,7 +87,7 @@ EXPECTED = {
 # Scripts for one backend: the mark that skips them elsewhere, and the
 # KERAS_BACKEND their subprocess gets.
 JAX_ONLY = {
-    "low_bit_look.py": (
+    "diagnostics/low_bit_look.py": (
         "--quick --output {tmp}/low_bit_look.json".split(),
         "held-out loss",
     ),
@@ -90,7 +96,7 @@ JAX_ONLY = {
         ["--quick", "--configurations", "float32,8bit"],
         "temporaries",
     ),
-    "jax_apply_or_skip.py": (
+    "diagnostics/jax_apply_or_skip.py": (
         "--variables 4 --repeats 1 --steps 2".split(),
         "kmp (cond)",
     ),
@@ -129,11 +135,27 @@ def _run(args, cwd, extra_env=None):
     )
 
 
+def _scripts():
+    """Every script, by its path under `benchmarks/`."""
+    paths = [*BENCHMARKS.glob("*.py"), *BENCHMARKS.glob("diagnostics/*.py")]
+    return {path.relative_to(BENCHMARKS).as_posix() for path in paths}
+
+
 def test_table_covers_every_script():
-    scripts = {path.name for path in BENCHMARKS.glob("*.py")}
+    scripts = _scripts()
     listed = set(SMOKE) | set(EVERY_BACKEND) | set(JAX_ONLY) | set(HUB)
     listed |= LIBRARIES
     assert scripts == listed
+
+
+def test_the_diagnostics_readme_lists_every_diagnostic():
+    readme = (BENCHMARKS / "diagnostics" / "README.md").read_text()
+    listed = {
+        "diagnostics/" + line.split("`")[1]
+        for line in readme.splitlines()
+        if line.startswith("| `")
+    }
+    assert listed == {s for s in _scripts() if s.startswith("diagnostics/")}
 
 
 def _repository_files():
