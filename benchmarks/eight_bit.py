@@ -964,7 +964,7 @@ def summarize(output=None):
         ),
         "date": max(d["date"] for d in documents),
         "machine": "; ".join(machines) + "; " + versions,
-        "source": "benchmarks/results/eight_bit/*.json",
+        "source": "benchmarks/eight_bit.py",
         "commands": {
             d["backend"]: f"KERAS_BACKEND={d['backend']} {d['command']}"
             for d in documents
