@@ -12,6 +12,9 @@ which CPU it was.
     python benchmarks/bf16_speedup.py                  # the real measurement
     python benchmarks/bf16_speedup.py --path loop      # custom loop instead
     python benchmarks/bf16_speedup.py --quick          # checks that it runs
+
+`--results` writes `benchmarks/results/bf16_speedup.json`, the performance
+page's table.
 """
 
 import argparse
@@ -21,6 +24,8 @@ import report
 
 ANCHORS = {"mlp": 1.7, "cnn": 2.3, "transformer": 1.54, "lstm": 1.26}
 POLICIES = ("float32", "mixed_bfloat16")
+RESULTS = "bf16_speedup.json"
+OPTIMIZERS = {"adam": "Keras 3's Adam", "fused-adam": "kmp.FusedAdam"}
 
 
 def main(argv=None) -> int:
@@ -33,7 +38,9 @@ def main(argv=None) -> int:
         default="fit",
         help="time the train function fit runs (default) or a custom loop",
     )
+    report.add_results_argument(parser, RESULTS)
     args = common.parse_args(parser, argv)
+    results = report.results_path(parser, args, RESULTS)
     models = args.models
 
     common.print_machine(
@@ -74,6 +81,42 @@ def main(argv=None) -> int:
             ]
         )
     common.print_table(("model", "speedup", "anchor", "met"), rows)
+    suffix = ", custom loop" if args.path == "loop" else ""
+    report.write_results(
+        results,
+        script=report.script_path(__file__),
+        title="bfloat16 speed-up (TensorFlow)",
+        about="float32 step time over mixed_bfloat16 step time (2.0x = "
+        "twice as fast), `model.fit` unless the group says otherwise; "
+        "median of the round-by-round ratios, [smallest, largest round]. "
+        "bfloat16 speed-ups need bfloat16 instructions (AVX512_BF16 or "
+        "AMX on x86).",
+        tables=[
+            {
+                "caption": "float32 step time / mixed_bfloat16 step time",
+                "unit": "x",
+                "decimals": 2,
+                "better": "higher",
+                "goals": {
+                    name + suffix: {"op": ">=", "value": ANCHORS[name]}
+                    for name, _ in summary
+                    if name in ANCHORS
+                },
+                "measurements": [
+                    {
+                        "group": name + suffix,
+                        "series": OPTIMIZERS[args.optimizer],
+                        "value": round(speedup.median, 2),
+                        "range": [
+                            round(speedup.low, 2),
+                            round(speedup.high, 2),
+                        ],
+                    }
+                    for name, speedup in summary
+                ],
+            }
+        ],
+    )
     return 0
 
 

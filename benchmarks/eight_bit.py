@@ -682,8 +682,9 @@ NOTES = [
     "4-bit ones 0.256x and 0.257x.",
     "4-bit and float8 state (slot_dtype='4bit': 16 values, two codes a "
     "byte, blocks of 128; 'float8': float8_e4m3fn bytes, blocks of 256) "
-    "were built because a simulation (benchmarks/low_bit_look.py) showed "
-    "them holding the accuracy goals; built, they hold them on every "
+    "were built because a simulation "
+    "(benchmarks/diagnostics/low_bit_look.py) showed them holding the "
+    "accuracy goals; built, they hold them on every "
     "backend: digits within 0.5 point of float32 Adam's accuracy, the "
     "language model's held-out loss 1.0037x-1.0047x (4-bit) and "
     "1.0012x-1.0023x (float8) float32 Adam's. 4 bits lose the most of the "
@@ -966,7 +967,7 @@ def summarize(output=None):
         ),
         "date": max(d["date"] for d in documents),
         "machine": "; ".join(machines) + "; " + versions,
-        "source": "benchmarks/results/eight_bit/*.json",
+        "source": "benchmarks/eight_bit.py",
         "commands": {
             d["backend"]: f"KERAS_BACKEND={d['backend']} {d['command']}"
             for d in documents

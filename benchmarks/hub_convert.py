@@ -7,8 +7,8 @@ same copy is compiled by hand with `kmp.LowPrecisionOptimizer(AdamW(1e-3),
 slot_dtype="8bit", seed=0)`, and float32 AdamW trains the original. Each
 trains `--steps` steps of next-byte prediction on Python's own standard
 library sources (sequences of 16 bytes), then is scored on held-out
-sequences. The converted task must train like the hand-built one (issue
-38: held-out loss within 2%).
+sequences. The converted task must train like the hand-built one (goal:
+held-out loss within 2%).
 
     KERAS_BACKEND=jax python benchmarks/hub_convert.py [--steps 200]
 

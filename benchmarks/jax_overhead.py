@@ -40,6 +40,8 @@ every step, in rotating order (`--check-cost` blocks).
 
 The same sizes as the TensorFlow benchmarks (MLP batch 256, many_small
 batch 64); `--quick` shrinks everything to a smoke run of seconds.
+`--results` writes `benchmarks/results/jax_overhead.json`, the performance
+page's tables.
 """
 
 import argparse
@@ -52,6 +54,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import report  # noqa: E402
 
 import kmp  # noqa: E402
 from kmp.tools.bench import timing  # noqa: E402
@@ -64,7 +67,7 @@ QUICK_SIZES = {
     "mlp": {"inputs": 784, "units": 64, "layers": 2, "batch": 16},
     "many_small": {"inputs": 32, "units": 32, "layers": 4, "batch": 16},
 }
-GOALS = {"mlp": 0.03, "many_small": 0.10}  # issue 16: kmp's overhead
+GOALS = {"mlp": 0.03, "many_small": 0.10}  # kmp's overhead, at most
 CLASSES = 10
 LABELS = {
     "kmp": "kmp.LossScaleOptimizer",
@@ -72,6 +75,16 @@ LABELS = {
     "kmp_unchecked": "  the loop without check_persistent_skips",
     "kmp_quiet": "  max_consecutive_skips=None",
     "keras": "keras.optimizers.LossScaleOptimizer",
+}
+RESULTS = "jax_overhead.json"
+# The result file's names of the loops and of the loss-scaled steps.
+LOOPS = {"fit": "fit", "custom": "JAX custom loop"}
+SERIES = {
+    "kmp": "kmp",
+    "kmp_waiting": "kmp, check_persistent_skips_now",
+    "kmp_unchecked": "kmp, without the check",
+    "kmp_quiet": "kmp, max_consecutive_skips=None",
+    "keras": "Keras 3 LSO",
 }
 
 
@@ -284,7 +297,10 @@ def main():
         "(0: skip)",
     )
     parser.add_argument("--quick", action="store_true")
+    report.add_results_argument(parser, RESULTS)
     args = parser.parse_args()
+    results = report.results_path(parser, args, RESULTS)
+    overheads, speedups = [], []
     if args.quick:
         args.rounds, args.steps, args.warmup_min, args.warmup_max = 2, 3, 1, 3
         args.chunk, args.check_cost = 2, 2
@@ -321,6 +337,17 @@ def main():
             )
             for subject, kind in zip(subjects[1:], kinds[1:]):
                 r = timing.ratio(t[subject.label], adam)
+                overheads.append(
+                    {
+                        "group": f"{name}, {LOOPS[loop]}",
+                        "series": SERIES[kind],
+                        "value": round(100 * (r.median - 1), 1),
+                        "range": [
+                            round(100 * (r.low - 1), 1),
+                            round(100 * (r.high - 1), 1),
+                        ],
+                    }
+                )
                 goal = ""
                 if kind == "kmp":
                     met = r.median - 1 <= GOALS[name]
@@ -355,8 +382,52 @@ def main():
                     f"  {median / alone[0] - 1:+.1%} "
                     f"[{fastest / alone[1] - 1:+.1%}]"
                 )
-    if not args.bfloat16:
-        return
+    if args.bfloat16:
+        speedups = bfloat16_speedups(args, sizes_of)
+    tables = [
+        {
+            "caption": "Overhead over Adam alone, %",
+            "unit": "%",
+            "decimals": 1,
+            "better": "lower",
+            "goals": {
+                f"{name}, {LOOPS[loop]}": {
+                    "op": "<=",
+                    "value": 100 * GOALS[name],
+                }
+                for name in args.models.split(",")
+                for loop in args.loops.split(",")
+            },
+            "measurements": overheads,
+        },
+        {
+            "caption": "bfloat16 speed-up on JAX (float32 step time / "
+            "mixed_bfloat16's, Adam)",
+            "unit": "x",
+            "decimals": 2,
+            "better": "higher",
+            "measurements": speedups,
+        },
+    ]
+    report.write_results(
+        results,
+        script=report.script_path(__file__),
+        title="Loss-scaling overhead on JAX",
+        about="Step time with loss scaling over Adam alone's under "
+        "mixed_float16, minus one: median of the round-by-round ratios "
+        "[smallest, largest round]; kmp (with the README loop's "
+        "persistent-skips check, and without any), and Keras 3's own JAX "
+        "loss-scale optimizer, in `fit` and in the jitted custom loop. "
+        "Then the bfloat16 speed-up: float32 step time over "
+        "mixed_bfloat16's, Adam alone.",
+        tables=[table for table in tables if table["measurements"]],
+    )
+
+
+def bfloat16_speedups(args, sizes_of):
+    """Prints and returns the bfloat16 speed-ups, rows of the result
+    file."""
+    rows = []
     print("bfloat16 speed-up: float32 step time / mixed_bfloat16's, Adam")
     for name in args.models.split(","):
         for loop in args.loops.split(","):
@@ -368,11 +439,20 @@ def main():
             t = run(subjects, args)
             f32, bf16 = (t[s.label] for s in subjects)
             r = timing.ratio(f32, bf16)
+            rows.append(
+                {
+                    "group": name,
+                    "series": LOOPS[loop],
+                    "value": round(r.median, 2),
+                    "range": [round(r.low, 2), round(r.high, 2)],
+                }
+            )
             print(
                 f"{name:11} {loop:7} {r.median:.2f}x [{r.low:.2f}-"
                 f"{r.high:.2f}]   (float32 {median_ms(f32, chunk):.2f} ms, "
                 f"bfloat16 {median_ms(bf16, chunk):.2f} ms)"
             )
+    return rows
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ instructions of arrays of `--large` elements or more in the optimized
 HLO: whole-array copies that the in-place update was meant to avoid.
 
     KERAS_BACKEND=jax python benchmarks/jax_step_memory.py [--quick]
+
+`--results` writes `benchmarks/results/jax_step_memory.json`, the
+performance page's table.
 """
 
 import argparse
@@ -31,6 +34,7 @@ import eight_bit  # noqa: E402
 import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import report  # noqa: E402
 
 import kmp  # noqa: E402
 
@@ -38,6 +42,9 @@ UNITS = eight_bit.MEMORY_UNITS
 QUICK_UNITS = eight_bit.QUICK_MEMORY_UNITS
 CONFIGURATIONS = ("float32", "bfloat16", "8bit", "4bit", "float8")
 MB = 2**20
+GOAL = 0.45  # Held at the peak, low-bit state over float32 Adam's.
+RESULTS = "jax_step_memory.json"
+SERIES = {"bfloat16": "bf16 Adam (Keras alone)"}
 _SHAPE = re.compile(r"= \w+\[([0-9,]*)\]\S* copy\(")
 
 
@@ -107,9 +114,11 @@ def main(argv=None):
         help="count copies of arrays of at least this many elements",
     )
     parser.add_argument("--output", help="write the rows as JSON")
+    report.add_results_argument(parser, RESULTS)
     args = parser.parse_args(argv)
     if keras.backend.backend() != "jax":
         sys.exit("jax_step_memory.py needs KERAS_BACKEND=jax")
+    results = report.results_path(parser, args, RESULTS)
     units = QUICK_UNITS if args.quick else UNITS
     large = 64 if args.quick else args.large
     rows = [
@@ -132,6 +141,76 @@ def main(argv=None):
     if args.output:
         with open(args.output, "w") as file:
             json.dump({"units": units, "rows": rows}, file, indent=1)
+    mlp = "-".join(map(str, units)) + "-10"
+    report.write_results(
+        results,
+        script=report.script_path(__file__),
+        title="What JAX's compiled train step holds at its peak",
+        about=f"The compiled train step of the MLP {mlp} (Keras's JAX "
+        "trainer's `jax.jit(model.train_step, donate_argnums=0)`), by XLA's "
+        "own accounting (`compiled.memory_analysis()`): the arguments "
+        "(weights and optimizer state, donated) plus the temporaries the "
+        "step allocates beyond them, which is what it holds at its peak "
+        "whatever the process's allocator keeps. Float32 Adam; Keras's "
+        "Adam alone on bfloat16 weights (no kmp: the floor for bfloat16 "
+        "weights); bfloat16 weights with 8-bit, 4-bit and float8 moments "
+        "(`kmp.LowPrecisionOptimizer`, stochastic rounding).",
+        tables=_tables(rows, reference),
+        notes=[
+            "On a CPU XLA computes a bfloat16 matrix product in float32: "
+            "the forward pass keeps a float32 copy of each large bfloat16 "
+            "kernel for the backward pass, which holds the bfloat16 rows "
+            "above what the weights and state alone would need.",
+        ],
+    )
+
+
+def _tables(rows, reference):
+    """The result file's tables: held / float32 Adam's, and the MB."""
+    group = "JAX, XLA's accounting"
+    tables = []
+    if reference:
+        tables.append(
+            {
+                "caption": "Held at the peak over float32 Adam's, x",
+                "unit": "x",
+                "decimals": 2,
+                "better": "lower",
+                "goals": {group: {"op": "<=", "value": GOAL}},
+                "measurements": [
+                    {
+                        "group": group,
+                        "series": SERIES.get(c, c),
+                        "value": round(row["held_mb"] / reference, 2),
+                    }
+                    for row in rows
+                    if (c := row["configuration"]) != "float32"
+                ],
+            }
+        )
+    tables.append(
+        {
+            "caption": "Held at the peak, MB: arguments and temporaries",
+            "unit": "MB",
+            "decimals": 1,
+            "better": "lower",
+            "measurements": [
+                {
+                    "group": SERIES.get(
+                        row["configuration"], row["configuration"]
+                    ),
+                    "series": part,
+                    "value": round(row[key], 1),
+                }
+                for row in rows
+                for part, key in (
+                    ("arguments", "arguments_mb"),
+                    ("temporaries", "temporaries_mb"),
+                )
+            ],
+        }
+    )
+    return [table for table in tables if table["measurements"]]
 
 
 if __name__ == "__main__":

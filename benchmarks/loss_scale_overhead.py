@@ -17,6 +17,9 @@ most +3% on the MLP and +15% on the many-small-variables model).
 
     python benchmarks/loss_scale_overhead.py            # the real measurement
     python benchmarks/loss_scale_overhead.py --quick    # checks that it runs
+
+`--results` writes `benchmarks/results/loss_scale_overhead.json`, the
+performance page's table.
 """
 
 import argparse
@@ -26,6 +29,13 @@ import report
 
 GOALS = {"mlp": 0.03, "many_small": 0.15}
 CONFIGS = (("plain", None), ("kmp", "kmp"), ("keras", "keras"))
+RESULTS = "loss_scale_overhead.json"
+CAPTIONS = {
+    "mlp": "mlp: 784-4096-4096-10, 20M parameters, overhead %",
+    "many_small": "many_small: 100 small Dense layers, 202 variables, "
+    "overhead %",
+}
+PATHS = {"loop": "custom loop", "fit": "model.fit"}
 
 
 def main(argv=None) -> int:
@@ -37,7 +47,9 @@ def main(argv=None) -> int:
         default="loop,fit",
         help="comma-separated paths among: loop, fit (default both)",
     )
+    report.add_results_argument(parser, RESULTS)
     args = common.parse_args(parser, argv)
+    results = report.results_path(parser, args, RESULTS)
     models = args.models
     paths = args.paths.split(",")
     for path in paths:
@@ -106,7 +118,50 @@ def main(argv=None) -> int:
         ),
         rows,
     )
+    report.write_results(
+        results,
+        script=report.script_path(__file__),
+        title="Loss-scaling overhead (TensorFlow)",
+        about="`mixed_float16` step time with kmp's or Keras 3's "
+        "loss-scale optimizer over the same model's with plain Adam, minus "
+        "one (+10% = 10% slower than no loss scaling). Median of the "
+        "round-by-round ratios, [smallest, largest round].",
+        tables=_tables(summary, args.jit),
+    )
     return 0
+
+
+def _tables(summary, jit):
+    """The result file's tables: one per model, overhead in %."""
+    tables = {}
+    for name, path, kmp_over, keras_over, _ in summary:
+        group = PATHS[path] + (", XLA" if jit else "")
+        table = tables.setdefault(
+            name,
+            {
+                "caption": CAPTIONS.get(name, f"{name}, overhead %"),
+                "unit": "%",
+                "decimals": 1,
+                "better": "lower",
+                "goals": {},
+                "measurements": [],
+            },
+        )
+        if name in GOALS:
+            table["goals"][group] = {"op": "<=", "value": 100 * GOALS[name]}
+        for series, ratio in (("kmp", kmp_over), ("Keras 3", keras_over)):
+            table["measurements"].append(
+                {
+                    "group": group,
+                    "series": series,
+                    "value": round(100 * (ratio.median - 1), 1),
+                    "range": [
+                        round(100 * (ratio.low - 1), 1),
+                        round(100 * (ratio.high - 1), 1),
+                    ],
+                }
+            )
+    return list(tables.values())
 
 
 def _percent(r: common.Ratio) -> str:

@@ -23,6 +23,9 @@ largest kernel's gradient in the compiled update
 
     KERAS_BACKEND=jax python benchmarks/low_bit_update.py [--quick]
     KERAS_BACKEND=tensorflow python benchmarks/low_bit_update.py [--jit]
+
+`--results` writes `benchmarks/results/low_bit_update.json`, the
+performance page's table (each backend's run replaces its own rows).
 """
 
 import argparse
@@ -39,6 +42,7 @@ sys.path.insert(0, ROOT)
 import eight_bit  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import report  # noqa: E402
 
 import kmp  # noqa: E402
 
@@ -46,6 +50,7 @@ UNITS = eight_bit.MEMORY_UNITS
 QUICK_UNITS = eight_bit.QUICK_MEMORY_UNITS
 CONFIGURATIONS = ("float32", "bf16 Adam", "8bit", "4bit", "float8")
 GOAL = 1.3
+RESULTS = "low_bit_update.json"
 
 
 def _model(configuration, units):
@@ -182,6 +187,7 @@ def main(argv=None):
         "--jit", action="store_true", help="TensorFlow: jit_compile=True"
     )
     parser.add_argument("--output", help="write the rows as JSON")
+    report.add_results_argument(parser, RESULTS)
     args = parser.parse_args(argv)
     configurations = [c for c in args.configurations.split(",") if c]
     unknown = sorted(set(configurations) - set(CONFIGURATIONS))
@@ -191,6 +197,7 @@ def main(argv=None):
         )
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be at least 1")
+    results = report.results_path(parser, args, RESULTS)
     units = QUICK_UNITS if args.quick else UNITS
     backend = keras.backend.backend()
     rows = measure(
@@ -236,6 +243,83 @@ def main(argv=None):
         with open(args.output, "w") as file:
             json.dump(document, file, indent=1)
         print(f"Wrote {args.output}")
+
+    report.write_results(
+        results,
+        script=report.script_path(__file__),
+        title="Low-bit state: the optimizer update alone",
+        about="The optimizer update alone (no forward or backward pass, "
+        "fixed gradients) on the variables of the MLP "
+        f"{'-'.join(map(str, units))}-10, each backend's update as its "
+        "trainer runs it: Keras's Adam alone on bfloat16 weights and "
+        "bfloat16 weights with 8-bit, 4-bit and float8 moments "
+        f"(`kmp.LowPrecisionOptimizer`, {args.rounding} rounding) over "
+        "float32 Adam's on float32 weights: the median of paired per-round "
+        "ratios [smallest, largest round]. On a CPU the low-bit updates "
+        "are bound by arithmetic (each element's code takes tens of "
+        "elementwise operations per moment) where float32 Adam's is bound "
+        "by memory.",
+        tables=_tables(rows, _group(backend, args)),
+    )
+
+
+def _group(backend, args):
+    """The result file's name for this run's backend and way of updating."""
+    way = {
+        "jax": "JAX (jit, donated)",
+        "tensorflow": "TensorFlow (XLA)"
+        if args.jit
+        else "TensorFlow (tf.function)",
+    }.get(backend, backend)
+    if args.rounding != "stochastic":
+        way += f", {args.rounding} rounding"
+    return way
+
+
+def _tables(rows, group):
+    """The result file's tables: the ratios, and (JAX) the passes."""
+    ratios = [
+        r for r in rows if "ratio" in r and r["configuration"] != "float32"
+    ]
+    passes = [r for r in rows if r["passes_largest_gradient"] is not None]
+    tables = [
+        {
+            "caption": "The update alone over float32 Adam's, x",
+            "unit": "x",
+            "decimals": 2,
+            "better": "lower",
+            "log": True,
+            "goals": {group: {"op": "<=", "value": GOAL}},
+            "measurements": [
+                {
+                    "group": group,
+                    "series": row["configuration"],
+                    "value": round(row["ratio"], 2),
+                    "range": [
+                        round(row["ratio_low"], 2),
+                        round(row["ratio_high"], 2),
+                    ],
+                }
+                for row in ratios
+            ],
+        },
+        {
+            "caption": "Kernels that read the largest kernel's gradient in "
+            "the compiled update",
+            "unit": "",
+            "decimals": 0,
+            "better": "lower",
+            "measurements": [
+                {
+                    "group": group,
+                    "series": row["configuration"],
+                    "value": row["passes_largest_gradient"],
+                }
+                for row in passes
+            ],
+        },
+    ]
+    return [table for table in tables if table["measurements"]]
 
 
 if __name__ == "__main__":

@@ -58,6 +58,10 @@ the step's memory peaks (the op that made each, its shape and dtype):
 
     python benchmarks/memory_breakdown.py --models mlp --variants keras \
         --repeats 1 --at-peak 8
+
+`--results` writes the rows of `keras`, `keras-as-is` and `tf_keras` (kmp
+against Keras 3 alone and Keras 2) to
+`benchmarks/results/memory_breakdown.json`, the performance page's table.
 """
 
 import argparse
@@ -133,6 +137,13 @@ DEFAULT_VARIANTS = {
     ),
 }
 MEGABYTE = 2**20
+RESULTS = "memory_breakdown.json"
+# The variants --results writes, as the page names them.
+RESULT_SERIES = {
+    "keras": "through kmp",
+    "keras-as-is": "Keras 3 alone",
+    "tf_keras": "tf_keras",
+}
 
 
 # --- One measurement (runs in a child process) --------------------------------
@@ -208,7 +219,7 @@ def _alive_at_peak(tf, run_step, count):
     allocated before the step (weights, slots, the batch) are not in it.
     Returns `[megabytes, op, shape, dtype]` lists, largest first.
     """
-    from op_profile import _load_xspace
+    from diagnostics.op_profile import _load_xspace
 
     directory = tempfile.mkdtemp(prefix="kmp-memory-")
     try:
@@ -518,6 +529,7 @@ def _parser():
         help="also list the N largest tensors alive at one profiled step's "
         "memory peak, per configuration (default 0: no profiling)",
     )
+    report.add_results_argument(parser, RESULTS)
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     return parser
 
@@ -541,6 +553,12 @@ def main(argv=None) -> int:
         parser.error("--steps and --repeats must be at least 1")
     if args.at_peak < 0:
         parser.error(f"--at-peak must be 0 or more, not {args.at_peak}")
+    results = report.results_path(parser, args, RESULTS)
+    if results and args.variants and not set(args.variants) & {*RESULT_SERIES}:
+        parser.error(
+            f"--results keeps only {', '.join(RESULT_SERIES)}: "
+            "--variants names none"
+        )
     if args.child:
         _child(
             *args.child,
@@ -564,7 +582,7 @@ def main(argv=None) -> int:
         print(f"{'':>16}  --quick: tiny sizes; the numbers mean nothing")
     print(flush=True)
 
-    rows, alive = [], []
+    rows, alive, measurements = [], [], []
     for model in args.models:
         for variant in args.variants or DEFAULT_VARIANTS[model]:
             python = sys.executable
@@ -589,6 +607,16 @@ def main(argv=None) -> int:
                 ratio = "-"
             else:
                 ratio = f"{medians[1] / medians[0]:.2f}x"
+                if variant in RESULT_SERIES:
+                    batch = (QUICK_SIZES if args.quick else SIZES)[model]
+                    measurements.append(
+                        {
+                            "group": f"{model} (batch {batch['batch']})",
+                            "series": RESULT_SERIES[variant],
+                            "value": round(medians[1] / medians[0], 2),
+                            "run": f"{medians[1]:.0f} / {medians[0]:.0f} MB",
+                        }
+                    )
             description = " + ".join(
                 MODIFIERS[name] for name in variant.split("+")
             )
@@ -607,6 +635,37 @@ def main(argv=None) -> int:
         rows,
     )
     print(f"Goal: mixed_bfloat16 / float32 <= {GOAL}x.")
+    report.write_results(
+        results,
+        script=report.script_path(__file__),
+        title="Allocator peak beyond the weights, mixed_bfloat16 / float32 "
+        "(TensorFlow)",
+        about="TensorFlow's allocator peak per training step, beyond what "
+        "was allocated before the first step (weights, optimizer slots, "
+        "the batch), under mixed_bfloat16 over float32's (0.5x = half the "
+        "memory): through kmp, with Keras 3 alone (kmp's patches off) and "
+        "with tf_keras (Keras 2). Median of every step of every process "
+        "per cell; the run column gives the two medians (MiB).",
+        tables=[
+            {
+                "caption": "Allocator peak beyond the weights, "
+                "mixed_bfloat16 / float32",
+                "unit": "x",
+                "decimals": 2,
+                "better": "lower",
+                "goals": {
+                    row["group"]: {"op": "<=", "value": GOAL}
+                    for row in measurements
+                },
+                "measurements": measurements,
+            }
+        ],
+        notes=[
+            "Which tensors the executor keeps alive at the peak changes "
+            "from step to step and from process to process, so the same "
+            "command can give ratios a tenth apart.",
+        ],
+    )
     for model, variant, policy, tensors in alive:
         print(
             f"\nAlive at the peak of one profiled step: {model} {variant} "

@@ -23,7 +23,7 @@ it: a copy is a weight or slot XLA could not update in place); and, timed
 after the counting with no counter installed, on every backend, the
 step's time against plain Adam's in the same loop on the same model
 (GradScaler's against its own loop's `torch.optim.Adam`; `--time-steps 0`
-skips it), with issue 40's goal beside kmp's rows (`GOALS`: at most
+skips it), with kmp's goal beside its rows (`GOALS`: at most
 1.05x on JAX's loop and TensorFlow's loop and XLA `fit`; on torch's loop
 GradScaler's own ratio). Then kmp's call sites, per step. Counts, not
 times, but for that ratio: the same on any machine for the same versions.
@@ -90,7 +90,7 @@ def configurations(backend, sizes, loops=None, kinds=None):
                 yield loop, kind, size
 
 
-# Issue 40's goals for kmp's time / plain Adam's: (backend, loop) -> the
+# The goals for kmp's time / plain Adam's: (backend, loop) -> the
 # most it may take. On torch the goal is GradScaler's own ratio (`add_goals`).
 GOALS = {
     ("jax", "loop"): 1.05,

@@ -142,9 +142,11 @@ def main():
             "What loss scaling adds to a mixed_float16 training step with "
             "Adam (dynamic scaling, the default persistent-skips limit), "
             "counted, not timed, by `benchmarks/step_costs.py` "
-            "(`benchmarks/step_counting/`): host reads of device values and "
-            "uploads of Python numbers per step (each a wait for the device "
-            "on a GPU; kmp's own code's, and for Keras's "
+            "(`benchmarks/step_counting/`; its files in "
+            "`benchmarks/results/step_costs/`, gathered here by "
+            "`benchmarks/step_costs_summary.py`): host reads of device "
+            "values and uploads of Python numbers per step (each a wait "
+            "for the device on a GPU; kmp's own code's, and for Keras's "
             "LossScaleOptimizer and GradScaler what they add to the plain "
             "step's), "
             "and the kernels it adds to plain Adam's step (torch: ops "
@@ -163,7 +165,7 @@ def main():
         ),
         "date": "2026-11-28",
         "machine": "2-core x86-64 CPU, no GPU; " + "; ".join(machines),
-        "source": "benchmarks/results/step_costs/*.json",
+        "source": "benchmarks/step_costs_summary.py",
         "commands": {
             "torch": "KERAS_BACKEND=torch python benchmarks/step_costs.py",
             "jax": "KERAS_BACKEND=jax python benchmarks/step_costs.py",
@@ -201,10 +203,9 @@ def main():
             },
         ],
         "notes": [
-            "The same counts on TensorFlow (`step_costs/tensorflow*.json`): "
-            "no host read by kmp in a `tf.function` step or `fit`; under "
-            "XLA `fit` read 2 values per step before, now a copy of the "
-            "previous step's.",
+            "On TensorFlow kmp reads nothing from the device in a "
+            "`tf.function` step or in `fit`, with or without XLA "
+            "(`tests/core/test_host_syncs.py` counts it).",
         ],
     }
     path = args.output

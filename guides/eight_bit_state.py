@@ -151,8 +151,8 @@ for name, model in [("float32 Adam", float32_copy), ("8-bit", eight_bit)]:
 # ## 4 bits and float8
 #
 # Two more forms of the same state, built because they held the accuracy
-# goal of the 8-bit one (`benchmarks/low_bit_look.py` simulated them
-# first; `benchmarks/eight_bit.py` measures what is built):
+# goal of the 8-bit one (`benchmarks/diagnostics/low_bit_look.py` simulated
+# them first; `benchmarks/eight_bit.py` measures what is built):
 #
 # * `slot_dtype="4bit"`: 16 values per code (0 and values evenly spaced in
 #   log10, over 2 decades for the first moment, 4 for the second's root),

@@ -20,7 +20,7 @@ TensorFlow and no network:
 
 Every ratio is measured inside one `kmp bench` run (the configurations
 interleaved); the goals compare ratios of one run with ratios of another.
-Goals (issue 22): kmp's loss-scaling overhead <= 2% of the step on the MLP
+Goals: kmp's loss-scaling overhead <= 2% of the step on the MLP
 and the Transformer, and no more than GradScaler's on the same model; kmp's
 mixed_bfloat16 speed-up over float32 on the Transformer at least PyTorch
 AMP's bf16 autocast speed-up there, minus 10%.

@@ -5,12 +5,13 @@ Every measured number the documentation shows lives in a JSON file under
 
 - what `kmp bench --json FILE` writes (`machine`, `settings`, `results`,
   `summary`), with `date` and `command` added beside them;
-- a `kmp-benchmark-results/1` file, for the numbers of the scripts in
-  `benchmarks/`:
+- a `kmp-benchmark-results/1` file, written by one of the scripts in
+  `benchmarks/` (`--results`; `benchmarks/report.py`'s `write_results`):
 
       {"format": "kmp-benchmark-results/1",
        "title": "...", "about": "what is measured (Markdown)",
-       "date": "YYYY-MM-DD", "machine": "...", "source": "...",
+       "date": "YYYY-MM-DD", "machine": "...",
+       "source": "benchmarks/SCRIPT.py",
        "commands": {"KEY": "the command line", ...},
        "tables": [{"caption": "...", "unit": "%" | "x" | "ms" | ...,
                    "decimals": 2, "better": "lower" | "higher",
@@ -25,10 +26,14 @@ Every measured number the documentation shows lives in a JSON file under
 its plots (one per table: a bar per group and series, the first run of
 each; later runs as dots, the range as an error bar, the goal as a red
 line). `docs/performance.md` shows every file; `show(name)` is what each of
-its cells calls.
+its cells calls, and it refuses a file that does not name the script that
+writes it (`writer`): `source`, a script under `benchmarks/` that names
+the file, or for kmp bench's own files a `command` that runs `kmp bench`.
 
->>> text = markdown(load(RESULTS / "float16_fusion.json"))
->>> "8100.0" in text and "remapping" in text
+>>> document = load(RESULTS / "bf16_speedup.json")
+>>> writer(RESULTS / "bf16_speedup.json", document)
+'benchmarks/bf16_speedup.py'
+>>> "Written by `benchmarks/bf16_speedup.py`" in markdown(document)
 True
 """
 
@@ -87,6 +92,37 @@ def load(path) -> Dict:
 def is_kmp_bench(document: Dict) -> bool:
     """Whether `document` is what `kmp bench --json` writes."""
     return "results" in document and "settings" in document
+
+
+def writer(path, document: Dict) -> str:
+    """What wrote the result file at `path`: its script, checked.
+
+    A `kmp-benchmark-results/1` file names in `source` the script under
+    `benchmarks/` that wrote it, and that script must name the file (its
+    default `--results` file, or the file it gathers other files into);
+    a kmp bench file's `command` runs `kmp bench`. A ValueError says what
+    is wrong.
+    """
+    name = pathlib.Path(path).name
+    if is_kmp_bench(document):
+        command = document["command"]
+        if not command.split("--")[0].strip().endswith("kmp bench"):
+            raise ValueError(f"{name}: its command does not run kmp bench")
+        return "kmp bench"
+    source = document.get("source") or ""
+    script = ROOT / source
+    if not (
+        source.startswith("benchmarks/")
+        and source.endswith(".py")
+        and script.is_file()
+    ):
+        raise ValueError(
+            f"{name}: 'source' must name the script under benchmarks/ "
+            f"that writes it; got {source!r}"
+        )
+    if name not in script.read_text(encoding="utf-8"):
+        raise ValueError(f"{name}: {source} does not write it")
+    return source
 
 
 def _number(value: float, table: Dict) -> str:
@@ -159,7 +195,7 @@ def _parts(document: Dict):
         [
             document["about"],
             f"Measured {document['date']} on {document['machine']}."
-            + (f" Source: `{source}`." if source else ""),
+            + (f" Written by `{source}`." if source else ""),
         ]
     )
     tables = [
@@ -292,6 +328,7 @@ def show(name: str) -> None:
     from IPython.display import display
 
     document = load(RESULTS / name)
+    writer(RESULTS / name, document)
     if is_kmp_bench(document):
         display(Markdown(markdown(document)))
         for figure in figures(document):
@@ -312,50 +349,16 @@ def png(figure) -> bytes:
     return buffer.getvalue()
 
 
-def numbers_in(text: str) -> List[str]:
-    """The unsigned decimal numbers written in `text`, as written.
-
-    A number glued to letters before it (`float16`, `bf16`) is a name, not
-    a number.
-
-    >>> numbers_in("mlp 1.88x, +14% of 202 variables in float16 (2026-11-21)")
-    ['1.88', '14', '202', '2026', '11', '21']
-    """
-    import re
-
-    return re.findall(r"(?<![A-Za-z_\d.])\d+(?:\.\d+)?", text)
-
-
-def covers(number: str, values) -> bool:
-    """Whether `number` (text) is one of `values` rounded as it is written.
-
-    >>> covers("48", [47.6]), covers("1.9", [1.88]), covers("53", [52.5])
-    (True, True, True)
-    """
-    import decimal
-
-    written = decimal.Decimal(number)
-    exponent = written.as_tuple().exponent
-    for value in values:
-        rounded = decimal.Decimal(repr(value)).quantize(
-            decimal.Decimal(1).scaleb(exponent), decimal.ROUND_HALF_UP
-        )
-        if rounded == written:
-            return True
-    return False
-
-
 __all__ = [
     "FORMAT",
     "RESULTS",
     "all_files",
-    "covers",
     "figures",
     "is_kmp_bench",
     "load",
     "markdown",
-    "numbers_in",
     "png",
     "show",
     "table_markdown",
+    "writer",
 ]

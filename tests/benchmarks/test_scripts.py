@@ -2,12 +2,17 @@
 
 Each entry of `SMOKE` runs `python benchmarks/<script> <args>` in a
 subprocess (cwd a temporary directory) and checks its exit code and a text
-it must print. Numbers from these runs mean nothing; the point is that a
-script whose imports or options rot fails here. A new script fails
-`test_table_covers_every_script` until it has its entry. (The GPU runner,
-`benchmarks/gpu/`, has its own tiny runs in `test_gpu_runner.py`.)
+it must print; a script's name is its path under `benchmarks/`
+(`diagnostics/op_profile.py`). Numbers from these runs mean nothing; the
+point is that a script whose imports or options rot fails here. A new
+script fails `test_table_covers_every_script` until it has its entry, and
+a new diagnostic until `benchmarks/diagnostics/README.md` lists it. (The
+GPU runner, `benchmarks/gpu/`, has its own tiny runs in
+`test_gpu_runner.py`.)
 """
 
+import argparse
+import functools
 import json
 import os
 import pathlib
@@ -23,27 +28,41 @@ BENCHMARKS = ROOT / "benchmarks"
 # script -> (arguments, text its output must contain); "{tmp}" in an
 # argument is the test's temporary directory.
 SMOKE = {
-    "bf16_breakdown.py": (["--quick"], "no-update"),
-    "bf16_speedup.py": (["--quick", "--models", "mlp"], ">= 1.7x"),
-    "loss_scale_overhead.py": (["--quick", "--models", "mlp"], "<= +3%"),
-    "lstm_graph.py": ([], "Training step (forward and gradient)"),
-    "overhead_breakdown.py": (
+    "diagnostics/bf16_breakdown.py": (["--quick"], "no-update"),
+    "bf16_speedup.py": (
+        "--quick --models mlp --results {tmp}/bf16_speedup.json".split(),
+        ">= 1.7x",
+    ),
+    "loss_scale_overhead.py": (
+        "--quick --models mlp --results {tmp}/loss_scale_overhead.json".split(),
+        "<= +3%",
+    ),
+    "diagnostics/lstm_graph.py": (
+        [],
+        "Training step (forward and gradient)",
+    ),
+    "diagnostics/overhead_breakdown.py": (
         "--layers 2 --units 16 --rounds 1 --steps 2 --warmup 1"
         " --variants plain,kmp".split(),
         "Adam alone",
     ),
     "step_costs_summary.py": (["--output", "{tmp}/step_costs.json"], "Wrote"),
     "bf16_all_the_way.py": (
-        ["--quick", "--tasks", "digits", "--plot", "{tmp}/curves.png"],
+        "--quick --tasks digits --plot {tmp}/curves.png"
+        " --results {tmp}/bf16_all_the_way.json".split(),
         "loss curves written",
     ),
-    "memory.py": (["--quick", "--models", "mlp"], "memory beyond the weights"),
-    "memory_breakdown.py": (
-        ["--quick", "--models", "mlp", "--variants", "bf16-input"],
-        "bf16-input",
+    "memory.py": (
+        "--quick --models mlp --results {tmp}/memory.json".split(),
+        "memory beyond the weights",
     ),
-    "memory_keras_vs_raw.py": (["--quick"], "bf16 / float32"),
-    "op_profile.py": (["--quick"], "ReadVariableOp"),
+    "memory_breakdown.py": (
+        "--quick --models mlp --variants keras"
+        " --results {tmp}/memory_breakdown.json".split(),
+        "the benchmark as it is",
+    ),
+    "diagnostics/memory_keras_vs_raw.py": (["--quick"], "bf16 / float32"),
+    "diagnostics/op_profile.py": (["--quick"], "ReadVariableOp"),
 }
 
 # Scripts that run on every backend (here on the one the suite runs on).
@@ -56,7 +75,8 @@ EVERY_BACKEND = {
     ),
     "low_bit_update.py": (
         "--quick --rounds 1 --steps 1 --configurations float32,8bit,4bit"
-        " --output {tmp}/low_bit_update.json".split(),
+        " --output {tmp}/low_bit_update.json"
+        " --results {tmp}/results/low_bit_update.json".split(),
         "The update alone",
     ),
     "step_costs.py": (
@@ -81,19 +101,37 @@ EXPECTED = {
 # Scripts for one backend: the mark that skips them elsewhere, and the
 # KERAS_BACKEND their subprocess gets.
 JAX_ONLY = {
-    "low_bit_look.py": (
+    "diagnostics/low_bit_look.py": (
         "--quick --output {tmp}/low_bit_look.json".split(),
         "held-out loss",
     ),
-    "jax_overhead.py": (["--quick", "--models", "mlp"], "bfloat16 speed-up"),
+    "jax_overhead.py": (
+        "--quick --models mlp --results {tmp}/jax_overhead.json".split(),
+        "bfloat16 speed-up",
+    ),
     "jax_step_memory.py": (
-        ["--quick", "--configurations", "float32,8bit"],
+        "--quick --configurations float32,8bit"
+        " --results {tmp}/jax_step_memory.json".split(),
         "temporaries",
     ),
-    "jax_apply_or_skip.py": (
+    "diagnostics/jax_apply_or_skip.py": (
         "--variables 4 --repeats 1 --steps 2".split(),
         "kmp (cond)",
     ),
+}
+
+# The result file each claim script writes with --results (the
+# performance page's format), under the test's temporary directory.
+RESULTS = {
+    "bf16_all_the_way.py": "bf16_all_the_way.json",
+    "bf16_speedup.py": "bf16_speedup.json",
+    "jax_overhead.py": "jax_overhead.json",
+    "jax_step_memory.py": "jax_step_memory.json",
+    "loss_scale_overhead.py": "loss_scale_overhead.json",
+    "low_bit_update.py": "results/low_bit_update.json",
+    "memory.py": "memory.json",
+    "memory_breakdown.py": "memory_breakdown.json",
+    "step_costs_summary.py": "step_costs.json",
 }
 
 # Scripts that need keras-hub (skipped without it), on every backend.
@@ -129,11 +167,27 @@ def _run(args, cwd, extra_env=None):
     )
 
 
+def _scripts():
+    """Every script, by its path under `benchmarks/`."""
+    paths = [*BENCHMARKS.glob("*.py"), *BENCHMARKS.glob("diagnostics/*.py")]
+    return {path.relative_to(BENCHMARKS).as_posix() for path in paths}
+
+
 def test_table_covers_every_script():
-    scripts = {path.name for path in BENCHMARKS.glob("*.py")}
+    scripts = _scripts()
     listed = set(SMOKE) | set(EVERY_BACKEND) | set(JAX_ONLY) | set(HUB)
     listed |= LIBRARIES
     assert scripts == listed
+
+
+def test_the_diagnostics_readme_lists_every_diagnostic():
+    readme = (BENCHMARKS / "diagnostics" / "README.md").read_text()
+    listed = {
+        "diagnostics/" + line.split("`")[1]
+        for line in readme.splitlines()
+        if line.startswith("| `")
+    }
+    assert listed == {s for s in _scripts() if s.startswith("diagnostics/")}
 
 
 def _repository_files():
@@ -148,7 +202,32 @@ def _smoke(name, args, expected, tmp_path, extra_env=None):
     assert result.returncode == 0, output[-6000:]
     assert expected in result.stdout, result.stdout[-3000:]
     assert _repository_files() == before, "wrote into benchmarks/"
+    if name in RESULTS:
+        _check_results_file(tmp_path / RESULTS[name], name)
     return result
+
+
+def _perf_results():
+    """docs/_ext/perf_results.py, the performance page's renderer."""
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    import perf_results
+
+    return perf_results
+
+
+def _check_results_file(path, name):
+    """The file loads and renders as the page would, naming `name`."""
+    perf_results = _perf_results()
+    document = perf_results.load(path)
+    assert perf_results.writer(path, document) == f"benchmarks/{name}"
+    rows = [r for t in document["tables"] for r in t["measurements"]]
+    assert rows
+    assert len(perf_results.figures(document)) == len(document["tables"])
+    if name == "step_costs_summary.py":  # Gathers step_costs.py's files.
+        return
+    assert all(r["command"] in document["commands"] for r in rows)
+    for command in document["commands"].values():
+        assert f"benchmarks/{name}" in command and "--results" not in command
 
 
 @pytest.mark.tensorflow
@@ -159,6 +238,75 @@ def test_script_runs_in_tiny_mode(name, tmp_path):
     if name == "step_costs_summary.py":
         document = json.loads((tmp_path / "step_costs.json").read_text())
         assert document["format"] == "kmp-benchmark-results/1"
+
+
+@pytest.mark.anybackend  # Reads files written before: no backend.
+def test_eight_bit_summary_writes_the_pages_file(tmp_path):
+    args = ["--summary", "--output", str(tmp_path / "eight_bit.json")]
+    result = _run([str(BENCHMARKS / "eight_bit.py"), *args], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    perf_results = _perf_results()
+    path = tmp_path / "eight_bit.json"
+    document = perf_results.load(path)
+    assert perf_results.writer(path, document) == "benchmarks/eight_bit.py"
+    page_file = perf_results.RESULTS / "eight_bit.json"
+    assert document == json.loads(page_file.read_text())
+
+
+@pytest.mark.anybackend  # Files and arguments only.
+def test_results_replace_what_a_run_measured_and_keep_the_rest(
+    monkeypatch, tmp_path
+):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import report
+
+    def table(*rows):
+        return {
+            "caption": "ratio",
+            "unit": "x",
+            "measurements": [
+                {"group": group, "series": series, "value": value}
+                for group, series, value in rows
+            ],
+        }
+
+    path = tmp_path / "x.json"
+    write = functools.partial(
+        report.write_results,
+        path,
+        script="benchmarks/memory.py",
+        title="t",
+        about="a",
+    )
+    monkeypatch.setattr(sys, "argv", ["memory.py", "--models", "mlp"])
+    write(tables=[table(("mlp", "kmp", 1.0), ("cnn", "kmp", 2.0))])
+    monkeypatch.setattr(sys, "argv", ["memory.py", "--models", "cnn"])
+    write(tables=[table(("cnn", "kmp", 3.0), ("cnn", "keras", 4.0))])
+    document = json.loads(path.read_text())
+    rows = document["tables"][0]["measurements"]
+    assert [(r["group"], r["series"], r["value"]) for r in rows] == [
+        ("mlp", "kmp", 1.0),
+        ("cnn", "kmp", 3.0),
+        ("cnn", "keras", 4.0),
+    ]
+    (first, second) = document["commands"]
+    assert rows[0]["command"] == first and rows[1]["command"] == second
+    assert document["commands"][second].endswith("memory.py --models cnn")
+
+    # --quick numbers never go to the page's own file.
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    report.add_results_argument(parser, "memory.json")
+    args = parser.parse_args(["--results"])
+    assert report.results_path(parser, args, "memory.json") == (
+        BENCHMARKS / "results" / "memory.json"
+    )
+    with pytest.raises(SystemExit):
+        report.results_path(
+            parser, parser.parse_args(["--quick", "--results"]), "memory.json"
+        )
+    args = parser.parse_args(["--quick", "--results", str(path)])
+    assert report.results_path(parser, args, "memory.json") == path
 
 
 @pytest.mark.parametrize("name", sorted(EVERY_BACKEND))

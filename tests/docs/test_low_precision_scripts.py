@@ -40,6 +40,7 @@ BENCHMARK = [
 ]
 _running = {}
 _outputs = {}
+_results = {}  # "file": the result file the benchmark writes (--results)
 
 
 def _environment(directory):
@@ -57,8 +58,11 @@ def _environment(directory):
 # they run once for the whole module, side by side.
 @pytest.fixture(scope="module", autouse=True)
 def _start_scripts(tmp_path_factory):
-    environment = _environment(tmp_path_factory.mktemp("bf16"))
-    scripts = [GUIDE, BENCHMARK] if backends.TENSORFLOW else [BENCHMARK]
+    directory = tmp_path_factory.mktemp("bf16")
+    environment = _environment(directory)
+    _results["file"] = directory / "bf16_all_the_way.json"
+    benchmark = BENCHMARK + ["--results", str(_results["file"])]
+    scripts = [GUIDE, benchmark] if backends.TENSORFLOW else [benchmark]
     scripts.append(EIGHT_BIT_GUIDE)
     for command in scripts:
         _running[command[0]] = subprocess.Popen(
@@ -174,7 +178,7 @@ def test_benchmark_quick_run_prints_tables_and_goals():
     assert f"keras backend: {backends.NAME}" in out
     assert re.search(r"digits: accuracy", out)
     assert re.search(r"\nbf16\+kahan +[\d.]+ +- +[-+][\d.]+ ", out)
-    assert "Goals (issue 18):" in out
+    assert "Goals:" in out
     assert re.search(r"digits bf16\+kahan: [\d.]+% >= float32 - 0.5", out)
     # The allocator's peak where this machine keeps statistics of it.
     measured = re.search(r"\nbf16\+kahan +[\d.]+ +[\d.]+ +[\d.]+ \[", out)
@@ -188,6 +192,22 @@ def test_benchmark_quick_run_prints_tables_and_goals():
         )
     else:
         assert "memory bf16+kahan: not measurable on this machine" in out
+
+
+def test_benchmark_writes_the_performance_pages_format():
+    _output(BENCHMARK)
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    import perf_results
+
+    document = perf_results.load(_results["file"])
+    assert document["source"] == "benchmarks/bf16_all_the_way.py"
+    suffix = "" if backends.TENSORFLOW else f", {backends.NAME}"
+    accuracy = document["tables"][0]["measurements"]
+    groups = {row["group"] for row in accuracy}
+    assert {g.lower() for g in groups} == {f"digits{suffix}".lower()}
+    assert {row["series"] for row in accuracy} == {"float32", "bf16+kahan"}
+    assert "--results" not in document["commands"][document["date"]]
+    perf_results.markdown(document)
 
 
 def _benchmark_module(monkeypatch):

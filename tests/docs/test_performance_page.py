@@ -1,11 +1,11 @@
-"""The performance page shows every result file, and every number it held.
+"""The performance page shows every result file, each written by a script.
 
 The site's performance page (`docs/performance.md`) is rendered from
 `benchmarks/results/*.json` by `docs/_ext/perf_results.py`. These tests
 render the same Markdown here, without Sphinx: each file loads and renders
-with a plot per table, the page shows each file, and every number the
-README's performance section stated before the site took it over
-(`data/readme_performance_before_the_site.md`) is on the page.
+with a plot per table, the page shows each file, and each file names the
+script under `benchmarks/` that writes it (`tests/benchmarks/` runs those
+scripts' `--results` in a tiny mode).
 """
 
 import json
@@ -20,8 +20,6 @@ sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 import perf_results  # noqa: E402
 
 PAGE = ROOT / "docs" / "performance.md"
-OLD_SECTION = pathlib.Path(__file__).parent / "data"
-OLD_SECTION /= "readme_performance_before_the_site.md"
 FILES = [path.name for path in perf_results.all_files()]
 GENERIC = [
     name
@@ -32,14 +30,6 @@ GENERIC = [
 ]
 
 
-def page_text() -> str:
-    """Everything the page renders from the generic result files, as text."""
-    return "\n".join(
-        perf_results.markdown(perf_results.load(perf_results.RESULTS / name))
-        for name in GENERIC
-    )
-
-
 def test_there_are_result_files():
     assert len(GENERIC) >= 9
 
@@ -47,6 +37,41 @@ def test_there_are_result_files():
 @pytest.mark.parametrize("name", FILES)
 def test_page_shows_the_file(name):
     assert f'show("{name}")' in PAGE.read_text()
+
+
+def test_page_shows_only_files_that_exist():
+    shown = re.findall(r'show\("([^"]+)"\)', PAGE.read_text())
+    assert shown and sorted(shown) == sorted(FILES)
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_file_names_the_script_that_writes_it(name):
+    path = perf_results.RESULTS / name
+    script = perf_results.writer(path, perf_results.load(path))
+    assert script.startswith("benchmarks/") and "/diagnostics/" not in script
+    assert "--results" in (ROOT / script).read_text() or name in (
+        "eight_bit.json",  # eight_bit.py --summary
+        "step_costs.json",  # step_costs_summary.py
+    )
+
+
+def test_a_file_that_names_no_writer_is_refused(tmp_path):
+    document = perf_results.load(perf_results.RESULTS / GENERIC[0])
+    path = tmp_path / "by_hand.json"
+    for source, message in (
+        (None, "'source' must name the script"),
+        ("benchmarks/README.md", "'source' must name the script"),
+        ("benchmarks/gone.py", "'source' must name the script"),
+        ("benchmarks/memory.py", "benchmarks/memory.py does not write it"),
+    ):
+        document["source"] = source
+        with pytest.raises(ValueError, match=re.escape(message)):
+            perf_results.writer(path, document)
+    bench = {"results": [], "settings": {}, "command": "kmp bench --json x"}
+    assert perf_results.writer(path, bench) == "kmp bench"
+    bench["command"] = "python train.py"
+    with pytest.raises(ValueError, match="does not run kmp bench"):
+        perf_results.writer(path, bench)
 
 
 @pytest.mark.parametrize("name", GENERIC)
@@ -64,28 +89,6 @@ def test_file_renders_its_values_and_a_plot_per_table(name):
     figures = perf_results.figures(document)
     assert len(figures) == len(document["tables"])
     assert perf_results.png(figures[0]).startswith(b"\x89PNG")
-
-
-def test_every_number_the_readme_dropped_is_on_the_page():
-    page = page_text()
-    values = [float(number) for number in perf_results.numbers_in(page)]
-    old = OLD_SECTION.read_text()
-    missing = sorted(
-        {
-            number
-            for number in perf_results.numbers_in(old)
-            if not perf_results.covers(number, values)
-        },
-        key=float,
-    )
-    assert missing == []
-
-
-def test_number_check_sees_a_missing_number():
-    values = [float(n) for n in perf_results.numbers_in("+14.2% and 1.88x")]
-    assert perf_results.covers("14", values)
-    assert not perf_results.covers("15", values)
-    assert not perf_results.covers("1.89", values)
 
 
 def test_a_bad_file_is_refused_naming_it(tmp_path):

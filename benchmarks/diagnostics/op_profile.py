@@ -27,14 +27,14 @@ Two questions it answers on the MLP (784-4096-4096-10, batch 256):
     # Why mixed_bfloat16 is only ~1.6x faster than float32: the matrix
     # products get faster, Adam's float32 update (20M parameters, about ten
     # elementwise passes) does not.
-    python benchmarks/op_profile.py
+    python benchmarks/diagnostics/op_profile.py
 
     # What loss scaling adds: the unscaling division and the check, each a
     # pass over 20M float32 gradients.
-    python benchmarks/op_profile.py --no-remapping \
+    python benchmarks/diagnostics/op_profile.py --no-remapping \
         --configs mixed_float16,mixed_float16:kmp,mixed_float16:keras
 
-    python benchmarks/op_profile.py --quick      # checks that it runs
+    python benchmarks/diagnostics/op_profile.py --quick  # checks that it runs
 """
 
 import argparse
@@ -44,11 +44,14 @@ import os
 import re
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
-import common
-import report
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import common  # noqa: E402
+import report  # noqa: E402
 
 PARTS = ("forward", "backward", "optimizer update", "loss scaling", "other")
 # Ops whose time is that of the ops they run.

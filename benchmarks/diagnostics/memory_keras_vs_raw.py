@@ -16,9 +16,9 @@ bf16 / float32 ratios of the medians. Equal bfloat16 rows mean Keras's
 layers keep nothing beyond the math itself.
 `memory_breakdown.py` takes the step apart further.
 
-    python benchmarks/memory_keras_vs_raw.py
-    python benchmarks/memory_keras_vs_raw.py --repeats 3 --steps 8
-    python benchmarks/memory_keras_vs_raw.py --quick   # checks that it runs
+    python benchmarks/diagnostics/memory_keras_vs_raw.py
+    python benchmarks/diagnostics/memory_keras_vs_raw.py --repeats 3 --steps 8
+    python benchmarks/diagnostics/memory_keras_vs_raw.py --quick  # it runs
 """
 
 import argparse

@@ -17,18 +17,22 @@ ratios) is printed per variant, with each step's time as a share of the
 the same size under both policies; the larger its share, the lower the
 whole step's speed-up.
 
-    python benchmarks/bf16_breakdown.py
-    python benchmarks/bf16_breakdown.py --quick    # checks that it runs
+    python benchmarks/diagnostics/bf16_breakdown.py
+    python benchmarks/diagnostics/bf16_breakdown.py --quick  # checks it runs
 """
 
 import argparse
+import pathlib
 import statistics
+import sys
 
-import common
-import memory_breakdown
-import report
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import kmp
+import common  # noqa: E402
+import memory_breakdown  # noqa: E402
+import report  # noqa: E402
+
+import kmp  # noqa: E402
 
 VARIANTS = ("keras", "no-update", "sgd", "fused-adam")
 POLICIES = ("float32", "mixed_bfloat16")

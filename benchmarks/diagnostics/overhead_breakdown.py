@@ -19,8 +19,9 @@ because the optimizer's work does not depend on it and float32 steps are
 short enough to show it. Besides the step time it reports the CPU time each
 step costs the process, which a busy machine disturbs less.
 
-    python benchmarks/overhead_breakdown.py [--policy mixed_float16]
-        [--variants plain,compute-first,kmp] [--layers 20 --units 256]
+    python benchmarks/diagnostics/overhead_breakdown.py \\
+        [--policy mixed_float16] [--variants plain,compute-first,kmp] \\
+        [--layers 20 --units 256]
 """
 
 import argparse

@@ -1,4 +1,4 @@
-"""How kmp's jitted JAX step applies or skips: the ways measured (issue 31).
+"""How kmp's jitted JAX step applies or skips: the ways measured.
 
 On the donating jitted loop of `examples/jax_custom_loop.py` (202
 variables by default: a Dense(32) stack under mixed_float16, Adam), for
@@ -12,7 +12,7 @@ choosing between the inner optimizer's new values and the old ones:
 * `fused`: the select inside the update: every assignment the inner
   optimizer makes writes `jnp.where(apply, new, old)`.
 
-(The third way the issue names, folding the skip into the update's
+(A third way, folding the skip into the update's
 arithmetic, a zero step, cannot leave a skipped step bit for bit where
 slots move on a zero gradient, as Adam's moments decay: not built.)
 
@@ -23,15 +23,18 @@ Adam's (the steps take turns; the fastest of `--repeats` runs of
 `--steps` steps). `where` and `fused` are made by patching kmp's and
 Keras's code in this process only.
 
-    KERAS_BACKEND=jax python benchmarks/jax_apply_or_skip.py \\
+    KERAS_BACKEND=jax python benchmarks/diagnostics/jax_apply_or_skip.py \\
         [--variables 202] [--steps 100] [--repeats 5]
 """
 
 import argparse
 import contextlib
 import os
+import sys
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
+# benchmarks/, for step_counting.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -14,7 +14,7 @@ weights summed in bfloat16, as tf.keras did). The
 TensorListPushBack ops are the tensors the forward loop keeps for the backward
 pass, one per step each.
 
-    python benchmarks/lstm_graph.py [--policy mixed_bfloat16]
+    python benchmarks/diagnostics/lstm_graph.py [--policy mixed_bfloat16]
 """
 
 import argparse
