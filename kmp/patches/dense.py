@@ -8,7 +8,7 @@ pass until the backward pass reaches the layer. On the benchmark MLP that
 copy of the last hidden layer is the largest single reason bfloat16
 training needed far more than half of float32's memory (`python
 benchmarks/memory_breakdown.py --models mlp`; numbers in
-`benchmarks/README.md`).
+`benchmarks/results/memory_breakdown.json`).
 
 The patch makes `keras.layers.Dense` keep the low-precision tensor for its
 backward pass instead and cast it again there. A cast to a wider type is

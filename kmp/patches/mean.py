@@ -6,7 +6,7 @@ mean could overflow. Under `mixed_bfloat16` that float32 copy, and the float32
 gradient of the same size in the backward pass, are the largest tensors of
 layers such as `GlobalAveragePooling2D` (measured with
 `python benchmarks/memory_breakdown.py --models cnn`; numbers in
-`benchmarks/README.md`).
+`benchmarks/results/memory_breakdown.json`).
 
 bfloat16 has float32's range, so its mean cannot overflow, and TensorFlow's
 bfloat16 `reduce_mean` adds up in float32 without a float32 copy of the

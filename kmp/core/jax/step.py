@@ -10,7 +10,8 @@ and the other branch returns the values it was given (as Keras's own
 place, and the update is compiled as the bare optimizer's. (A `jnp.where`
 of new against old values, as Flax's `DynamicScale`, keeps both alive: XLA
 then copies every weight and slot each step, 1.5-3x the step time of Adam
-alone on 202 small variables on a CPU; `benchmarks/README.md`.) Run
+alone on 202 small variables on a CPU;
+`benchmarks/diagnostics/jax_apply_or_skip.py`.) Run
 eagerly (no trace), the update runs op by op as the inner optimizer's own
 and each value is then selected on the device, without reading the finite
 check on the host. The stateful `apply` is that step on the variables'

@@ -115,7 +115,8 @@ def select(optimizer, optimizer_variables, values_before, values_after):
         return values_after
     # A select, not a cond: XLA fuses it into the forward pass that
     # computes the new values and copies nothing, where a cond would copy
-    # each value (twice, measured: benchmarks/README.md). The program
+    # each value (twice, measured with
+    # benchmarks/diagnostics/jax_apply_or_skip.py). The program
     # differs from Keras's alone, and XLA may round what the forward pass
     # writes otherwise, by an ulp or so: docs/guarantees.md.
     chosen = [

@@ -22,8 +22,9 @@ for: it fuses with the update under XLA). Three, by `slot_dtype`:
   (torchao's `AdamWFp8`). Its 3 mantissa bits keep 6% relative
   precision over 2**-9 to 448, 17 octaves.
 
-`benchmarks/low_bit_look.py` measured, before they were built, that the
-4-bit and float8 codes train the benchmarks' models as well as 8 bits.
+`benchmarks/diagnostics/low_bit_look.py` measured, before they were built,
+that the 4-bit and float8 codes train the benchmarks' models as well as 8
+bits.
 """
 
 import dataclasses

@@ -6,7 +6,7 @@ tensor); tf_keras used TensorFlow's fused `ResourceApplyAdam` kernel, which
 updates the variable and both moments in one pass, in place. The update is
 float32 work of the same size under every policy, so it is the part of a
 mixed-precision step that does not get faster: on a 784-4096-4096-10 MLP it
-is most of a `mixed_bfloat16` step (see `benchmarks/op_profile.py`).
+is most of a `mixed_bfloat16` step (see `benchmarks/diagnostics/op_profile.py`).
 
 `FusedAdam` is `keras.optimizers.Adam` (same arguments, variables, config and
 checkpoints) with that kernel. Its arithmetic is Adam's, rounded differently

@@ -35,7 +35,7 @@ tf = backend.tensorflow()
 
 # Applying the update first pays one copy of every variable and slot per
 # step and saves the wait for the check, whose cost grows with the number of
-# variables; benchmarks/README.md has the measurements that set these.
+# variables; benchmarks/diagnostics/overhead_breakdown.py measures them.
 RESTORE_MAX_ELEMENTS = 2**22
 RESTORE_MAX_MEAN_ELEMENTS = 2**14
 
