@@ -1,6 +1,7 @@
 """Tests for kmp.tools.summary: the dtype table and the findings."""
 
 import keras
+import numpy as np
 import pytest
 
 import kmp
@@ -263,6 +264,16 @@ def test_nested_model_with_keras_ops_calls():
     assert _row(text, "block/inner")[1] == "Dense"
 
 
+def _scalar_bytes(optimizer):
+    """The bytes of the optimizer's scalars (the iterations' dtype is the
+    backend's: int64 on TensorFlow and JAX, int32 on torch)."""
+    return sum(
+        np.dtype(v.dtype).itemsize
+        for v in optimizer.variables
+        if len(v.shape) == 0
+    )
+
+
 def test_bytes_per_parameter_of_weights_and_optimizer_state():
     def compiled(policy, optimizer):
         with kmp.policy_scope(policy):
@@ -277,9 +288,9 @@ def test_bytes_per_parameter_of_weights_and_optimizer_state():
     assert "Weights: 33,280 bytes, 4.00 per parameter" in text
     assert "Adam not built yet" in text
     adam.optimizer.build(adam.trainable_variables)
-    # Two float32 moments per parameter (8,320), the iterations (int64)
-    # and the learning rate (float32).
-    state = 2 * 4 * 8_320 + 8 + 4
+    # Two float32 moments per parameter (8,320), the iterations and the
+    # learning rate.
+    state = 2 * 4 * 8_320 + _scalar_bytes(adam.optimizer)
     assert (
         f"Optimizer state: {state:,} bytes, 8.00 per trainable parameter; "
         "weights + state 12.00 bytes per parameter"
@@ -333,7 +344,7 @@ def test_a_lora_model_counts_trainable_and_frozen_apart():
     assert "Weights: 34,304 bytes, 4.00 per parameter" in text
     # Two float32 moments per trainable parameter, the iterations and the
     # learning rate; weights + state over all 8,576 parameters.
-    state = 2 * 4 * 384 + 8 + 4
+    state = 2 * 4 * 384 + _scalar_bytes(model.optimizer)
     assert (
         f"Optimizer state: {state:,} bytes, {state / 384:.2f} per trainable "
         f"parameter; weights + state {(34_304 + state) / 8_576:.2f} bytes "
