@@ -67,6 +67,10 @@ def _innermost(optimizer):
     return optimizer
 
 
+# One conversion and one step per target, on the task built and trained
+# once (the fixture): each target is one of the documented paths
+# (loss-scaled, bfloat16 weights, 8-bit state), and each compiles the
+# copy's train step (on JAX, the slowest, some 15 s on a busy 2-core CPU).
 @pytest.mark.parametrize("target", TARGETS)
 def test_a_lora_task_converts_with_its_lora(lora_task, target):
     case, task = lora_task
