@@ -30,8 +30,8 @@ import numpy as np  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import kmp  # noqa: E402
-from kmp.core import quantization  # noqa: E402
 from kmp.core.low_bit import codes  # noqa: E402
+from kmp.core.low_bit import quantization  # noqa: E402
 
 keras.utils.set_random_seed(0)
 

@@ -801,6 +801,22 @@ def main(argv=None) -> int:
     return 1 if failed or skipped and not runs else 0
 
 
+def float32_line(runs) -> str:
+    """What precision the runs' float32 matmuls and convolutions had (kmp
+    bench pins full float32: no speed-up over a TF32 baseline)."""
+    seen = sorted(
+        {
+            str(r.get("float32_matmuls", "not recorded"))
+            for document in runs.values()
+            for r in document.get("results", ())
+        }
+    )
+    return (
+        "float32 matmuls and convolutions (TF32 off where 'float32'): "
+        f"{', '.join(seen) or 'no results'}."
+    )
+
+
 def _write(out, machine, options, runs, skipped, repeats):
     """Writes results.json and results.md from the runs so far."""
     rows, seconds = [], []
@@ -829,6 +845,7 @@ def _write(out, machine, options, runs, skipped, repeats):
     ]
     if skipped:
         header.append(f"Left out to end in time: {', '.join(skipped)}.")
+    header.append(float32_line(runs))
     text = markdown(rows, checks, header, pairs)
     (out / "results.md").write_text(text)
     summary = {

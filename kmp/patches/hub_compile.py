@@ -27,14 +27,19 @@ from keras.src.trainers import trainer as _keras_trainer
 from kmp.patches import registry
 
 
-def compile_from(model, config, **extra) -> None:
+def compile_from(model, config, before_build=None, **extra) -> None:
     """`model.compile(**config, **extra)` from a compile config, then the
     optimizer built, as Keras's `compile_from_config` does for a model
-    whose `compile` is Keras's."""
+    whose `compile` is Keras's. `before_build(optimizer)`, if given, is
+    called between the two (to set what must be set before the optimizer
+    is built, such as its weight-decay exclusions)."""
     config = serialization_lib.deserialize_keras_object(config)
     model.compile(**config, **extra)
-    if getattr(model, "optimizer", None) is not None and model.built:
-        model.optimizer.build(model.trainable_variables)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and before_build is not None:
+        before_build(optimizer)
+    if optimizer is not None and model.built:
+        optimizer.build(model.trainable_variables)
 
 
 def is_hub_compile(cls) -> bool:

@@ -31,6 +31,8 @@ from kmp.core.hardware import count_tpus
 from kmp.core.hardware import list_gpus
 from kmp.core.hardware import read_cpu_flags
 from kmp.core.hardware import recommend_policy
+from kmp.core.low_bit import codes as low_bit_codes
+from kmp.core.low_bit import quantization
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,15 +142,41 @@ def format_report(environment: Environment) -> str:
     return "\n".join(lines)
 
 
+_BFLOAT16 = 2  # Bytes of a bfloat16 weight, and of its gradient.
+_LOW_BIT_NAMES = {"8bit": "8-bit", "float8": "float8", "4bit": "4-bit"}
+
+
+def _low_bit_row(slot_dtype: str) -> tuple:
+    """The row of bfloat16 weights with `slot_dtype` state: the sizes
+    `kmp.core.low_bit` gives its codes and scales."""
+    code = low_bit_codes.CODES[slot_dtype]
+    per_slot = quantization.bytes_per_element(code)
+    size = "half a byte" if code.per_byte == 2 else "a byte"
+    return (
+        f"bfloat16, {_LOW_BIT_NAMES[slot_dtype]} slots",
+        2 * _BFLOAT16 + 2 * per_slot,
+        f"stochastic; 2 + 2 gradient + 2 x {per_slot:.3g}: "
+        f"slot_dtype={slot_dtype!r}, {size} and a "
+        f"{quantization.SCALE_DTYPE} scale per {code.block_size}",
+    )
+
+
 # Bytes per parameter of training with Adam, before activations: weights,
-# gradients, the two slots (and Kahan's compensation buffer).
+# gradients, the two slots (and Kahan's compensation buffer); quantized
+# slots for variables of `min_8bit_size` elements or more (smaller ones
+# keep bfloat16 slots).
 TRAINING_BYTES_PER_PARAMETER = (
     ("float32", 16, "4 + 4 gradient + 4 + 4 slots"),
     ("mixed_bfloat16 / mixed_float16", 16, "float32 weights and slots"),
     ("mixed + bfloat16 slots", 12, "slot_dtype='bfloat16'"),
     ("bfloat16 + Kahan, bfloat16 slots", 10, "2 + 2 compensation + 2 + 2 + 2"),
     ("bfloat16 + stochastic rounding", 8, "2 + 2 gradient + 2 + 2 slots"),
+    *(_low_bit_row(name) for name in _LOW_BIT_NAMES),
 )
+
+
+def _bytes_text(size: float) -> str:
+    return f"{size:.2f}".rstrip("0").rstrip(".")
 
 
 def memory_advice() -> list:
@@ -163,14 +191,22 @@ def memory_advice() -> list:
         "before activations):"
     ]
     lines += [
-        f"  {name:34} {size:2d}  ({what})"
+        f"  {name:34} {_bytes_text(size):>5}  ({what})"
         for name, size, what in TRAINING_BYTES_PER_PARAMETER
     ]
-    lines.append(
+    cheapest = min(TRAINING_BYTES_PER_PARAMETER, key=lambda row: row[1])
+    lines += [
+        f"  {'any of these, sharded N ways':34} {'/ N':>5}  (JAX's "
+        "keras.distribution.ModelParallel: a variable the layout map "
+        "shards over N devices keeps 1/N of its weights and state on "
+        "each, its slots, codes and scales sharded like it: "
+        f"{cheapest[0]}, {_bytes_text(cheapest[1])} / N; kmp.summary shows "
+        "the state per device)",
         "  bfloat16 weights that still train: kmp.convert(model, "
         "'bfloat16', rounding='kahan', slot_dtype='bfloat16') "
-        "(guides/bfloat16_weights.py)"
-    )
+        "(guides/bfloat16_weights.py); slot_dtype='8bit' for 8-bit state "
+        "(guides/eight_bit_state.py)",
+    ]
     return lines
 
 

@@ -69,16 +69,33 @@ def _bytes(variables) -> int:
     return sum(math.prod(v.shape) * _itemsize(v.dtype) for v in variables)
 
 
+def _parameter_lines(model) -> List[str]:
+    """The trainable and the non-trainable (frozen) parameters, apart:
+    with LoRA, a few trainable ones beside many frozen."""
+    trainable = _counted(model.trainable_weights)
+    frozen = _counted(model.non_trainable_weights)
+    return [
+        f"Trainable params: {trainable:,}; non-trainable (frozen) params: "
+        f"{frozen:,}"
+    ]
+
+
+def _counted(variables) -> int:
+    """Their parameters, each variable counted once (tied weights)."""
+    unique = {id(v): v for v in variables}
+    return _parameter_count(unique.values())
+
+
 def _memory_lines(model) -> List[str]:
     """The bytes of the weights and of the optimizer's state, per
-    trainable parameter (float32 Adam: 12)."""
-    trainable = sum(math.prod(v.shape) for v in model.trainable_variables)
-    if not trainable:
+    parameter (all of them, frozen ones too: float32 Adam, 12) and the
+    state's per trainable parameter (float32 Adam: 8)."""
+    parameters = _counted(model.weights)
+    if not parameters:
         return []
     weights = _bytes(model.variables)
     lines = [
-        f"Weights: {weights:,} bytes, {weights / trainable:.2f} per "
-        "trainable parameter"
+        f"Weights: {weights:,} bytes, {weights / parameters:.2f} per parameter"
     ]
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
@@ -90,9 +107,15 @@ def _memory_lines(model) -> List[str]:
         )
         return lines
     state = _bytes(optimizer.variables)
+    trainable = _counted(model.trainable_weights)
+    per_trainable = (
+        f", {state / trainable:.2f} per trainable parameter"
+        if trainable
+        else ""
+    )
     lines.append(
-        f"Optimizer state: {state:,} bytes; weights + state "
-        f"{(weights + state) / trainable:.2f} bytes per trainable parameter "
+        f"Optimizer state: {state:,} bytes{per_trainable}; weights + state "
+        f"{(weights + state) / parameters:.2f} bytes per parameter "
         "(float32 Adam: 12)"
     )
     lines.extend(_state_per_device_lines(optimizer))
@@ -287,9 +310,12 @@ def summary(
     The table lists, per layer: name, class, policy, compute dtype, the dtypes
     of its variables, the dtype of its output and its parameter count; a
     `keras.ops` call has no policy (`-`) and computes in its inputs' dtype.
-    Below it: the bytes of the weights and, for a compiled model whose
-    optimizer is built, of the optimizer's state, per trainable parameter
-    (float32 Adam: 12; bfloat16 weights with 8-bit state, about 4).
+    Below it: the trainable and the non-trainable (frozen) parameters,
+    apart; the bytes of the weights and, for a compiled model whose
+    optimizer is built, of the optimizer's state, per parameter, frozen
+    ones included (float32 Adam: 12; bfloat16 weights with 8-bit state,
+    about 4; LoRA, with a few trainable parameters: about the weights'),
+    and the state's bytes per trainable parameter.
     The findings below it are explained in this module's docstring.
 
     Args:
@@ -333,6 +359,7 @@ def summary(
         *text_table(_COLUMNS, rows),
         "",
         f"Total params: {_parameter_count(model.weights)}",
+        *_parameter_lines(model),
         *_memory_lines(model),
     ]
     if any(row[-1] == _SHARED for row in rows):

@@ -90,6 +90,11 @@ def test_runner_runs_on_the_cpu_with_a_tiny_configuration(tmp_path):
     text = (tmp_path / "results.md").read_text()
     assert f"| {backend} | mlp | custom |" in text
     assert "16-bit and 8-bit optimizer state" in text
+    # Every row's float32 at full precision (never a TF32 baseline).
+    assert {r["float32_matmuls"] for r in run_document["results"]} == {
+        "float32"
+    }
+    assert "convolutions (TF32 off where 'float32'): float32." in text
     assert (tmp_path / f"{backend}-mlp.log").read_text()
 
 

@@ -157,7 +157,7 @@ def test_eight_bit_guide_shows_the_bytes_and_the_same_accuracy():
         name.strip(): (float(accuracy), float(per_parameter))
         for name, accuracy, per_parameter in re.findall(
             r"(.+): test accuracy ([\d.]+)%; .*weights \+ state ([\d.]+) "
-            "bytes per trainable parameter",
+            "bytes per parameter",
             out,
         )
     }

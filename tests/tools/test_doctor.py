@@ -3,6 +3,7 @@
 import importlib
 
 import keras
+import numpy as np
 import pytest
 
 from kmp.core.hardware import Gpu
@@ -90,7 +91,10 @@ def test_report_says_what_to_do_when_memory_is_the_limit():
     text = doctor.format_report(_environment("tensorflow"))
     memory = text[text.index("If memory, not speed, is the limit") :]
     for name, size, _ in doctor.TRAINING_BYTES_PER_PARAMETER:
-        assert f"  {name:34} {size:2d}  (" in memory
+        text_size = f"{size:.2f}".rstrip("0").rstrip(".")
+        assert f"  {name:34} {text_size:>5}  (" in memory
+    assert "any of these, sharded N ways" in memory
+    assert "keras.distribution.ModelParallel" in memory
     assert "kmp.convert(model, 'bfloat16', rounding='kahan'" in memory
     assert "needs the TensorFlow backend" not in memory
     # The memory advice comes after the (speed) recommendation.
@@ -99,7 +103,41 @@ def test_report_says_what_to_do_when_memory_is_the_limit():
 
 def test_bytes_per_parameter_fall_with_each_step_to_bfloat16():
     sizes = [size for _, size, _ in doctor.TRAINING_BYTES_PER_PARAMETER]
-    assert sizes == [16, 16, 12, 10, 8]
+    assert sizes[:5] == [16, 16, 12, 10, 8]
+    # 8-bit and float8: a byte and a float32 scale per 256; 4-bit: half a
+    # byte and one per 128.
+    assert sizes[5:] == [4 + 2 * (1 + 4 / 256)] * 2 + [4 + 2 * (0.5 + 4 / 128)]
+
+
+@pytest.mark.parametrize("slot_dtype", ["8bit", "float8", "4bit"])
+def test_low_bit_rows_are_the_bytes_the_optimizer_keeps(slot_dtype):
+    """Each quantized row is what LowPrecisionOptimizer allocates: the
+    bfloat16 weight and its gradient, and Adam's two slots' codes and
+    scales for a 256 x 256 kernel, per parameter."""
+    import kmp
+
+    (row,) = [
+        size
+        for _, size, what in doctor.TRAINING_BYTES_PER_PARAMETER
+        if f"slot_dtype={slot_dtype!r}" in what
+    ]
+    with kmp.policy_scope("bfloat16"):
+        model = keras.Sequential(
+            [keras.Input((256,)), keras.layers.Dense(256, use_bias=False)]
+        )
+    kernel = model.layers[0].kernel
+    optimizer = kmp.LowPrecisionOptimizer(
+        keras.optimizers.Adam(), "stochastic", slot_dtype=slot_dtype, seed=0
+    )
+    optimizer.build([kernel])
+    key = kernel.path.replace("/", "_")
+    state = [v for v in optimizer.variables if key in v.path]
+    assert len(state) == 4  # Two slots, each codes and scales.
+    state_bytes = sum(
+        np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in state
+    )
+    weight_and_gradient = 2 * np.dtype(kernel.dtype).itemsize
+    assert weight_and_gradient + state_bytes / 256**2 == row
 
 
 @pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])

@@ -1,6 +1,7 @@
 """Tests for kmp.tools.summary: the dtype table and the findings."""
 
 import keras
+import numpy as np
 import pytest
 
 import kmp
@@ -263,6 +264,16 @@ def test_nested_model_with_keras_ops_calls():
     assert _row(text, "block/inner")[1] == "Dense"
 
 
+def _scalar_bytes(optimizer):
+    """The bytes of the optimizer's scalars (the iterations' dtype is the
+    backend's: int64 on TensorFlow and JAX, int32 on torch)."""
+    return sum(
+        np.dtype(v.dtype).itemsize
+        for v in optimizer.variables
+        if len(v.shape) == 0
+    )
+
+
 def test_bytes_per_parameter_of_weights_and_optimizer_state():
     def compiled(policy, optimizer):
         with kmp.policy_scope(policy):
@@ -274,12 +285,16 @@ def test_bytes_per_parameter_of_weights_and_optimizer_state():
 
     adam = compiled("float32", keras.optimizers.Adam())
     text = summary(adam)
-    assert "Weights: 33,280 bytes, 4.00 per trainable parameter" in text
+    assert "Weights: 33,280 bytes, 4.00 per parameter" in text
     assert "Adam not built yet" in text
     adam.optimizer.build(adam.trainable_variables)
-    assert "weights + state 12.00 bytes per trainable parameter" in summary(
-        adam
-    )
+    # Two float32 moments per parameter (8,320), the iterations and the
+    # learning rate.
+    state = 2 * 4 * 8_320 + _scalar_bytes(adam.optimizer)
+    assert (
+        f"Optimizer state: {state:,} bytes, 8.00 per trainable parameter; "
+        "weights + state 12.00 bytes per parameter"
+    ) in summary(adam)
 
     def bytes_per_parameter(slot_dtype):
         """The summary's weights + state per parameter, bfloat16 weights
@@ -311,3 +326,27 @@ def test_bytes_per_parameter_of_weights_and_optimizer_state():
     # the bias's moments and the scalars as above.
     per_parameter, line = bytes_per_parameter("4bit")
     assert 3.06 < per_parameter < 3.15, line
+
+
+def test_a_lora_model_counts_trainable_and_frozen_apart():
+    """LoRA trains a few parameters beside many frozen ones: the bytes per
+    parameter are over all of them, the state's over the trainable."""
+    model = keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(128, use_bias=False)]
+    )
+    model.layers[0].enable_lora(2)
+    model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    text = summary(model)
+    # The kernel (64 x 128) frozen; LoRA's 64 x 2 and 2 x 128 trainable.
+    assert "Total params: 8576\n" in text
+    assert "Trainable params: 384; non-trainable (frozen) params: 8,192" in text
+    assert "Weights: 34,304 bytes, 4.00 per parameter" in text
+    # Two float32 moments per trainable parameter, the iterations and the
+    # learning rate; weights + state over all 8,576 parameters.
+    state = 2 * 4 * 384 + _scalar_bytes(model.optimizer)
+    assert (
+        f"Optimizer state: {state:,} bytes, {state / 384:.2f} per trainable "
+        f"parameter; weights + state {(34_304 + state) / 8_576:.2f} bytes "
+        "per parameter"
+    ) in text

@@ -46,6 +46,7 @@ from kmp.core.low_bit import codes as codes_module
 BLOCK_SIZE = 256  # The 8-bit code's elements per scale (torchao's).
 MIN_8BIT_SIZE = 4096  # Smaller variables keep their slots (bitsandbytes').
 CODE_DTYPE = "uint8"
+SCALE_DTYPE = "float32"
 
 # Slot names (Keras's `add_variable_from_reference` names) whose values
 # are never negative: kept as the root on the unsigned code.
@@ -221,6 +222,19 @@ def byte_count(elements, code):
     return elements // code.per_byte if code.per_byte > 1 else elements
 
 
+def bytes_per_element(code, block_size=None) -> float:
+    """The bytes a quantized slot keeps per element: its code (a byte, or
+    half of one for 4 bits) and its share of its block's scale
+    (`block_size`, default the code's). Where the blocks tile the slot.
+
+    >>> bytes_per_element(codes_module.CODES["8bit"])
+    1.015625
+    """
+    block_size = block_size or code.block_size
+    scale = np.dtype(SCALE_DTYPE).itemsize
+    return 1 / code.per_byte + scale / block_size
+
+
 def zero_byte(code, signed: bool) -> int:
     """The byte a new slot's codes are filled with (every code 0.0's)."""
     zero = code.zero(signed)
@@ -295,9 +309,11 @@ __all__ = [
     "CODE_DTYPE",
     "MIN_8BIT_SIZE",
     "QuantizedSlot",
+    "SCALE_DTYPE",
     "Storage",
     "blocks",
     "byte_count",
+    "bytes_per_element",
     "decode",
     "dequantize",
     "dequantize_shaped",

@@ -197,7 +197,7 @@ def lent_builder(plan, inner, slots):
         scales = inner.add_variable(
             shape=scales_shape,
             initializer="zeros",
-            dtype="float32",
+            dtype=quantization.SCALE_DTYPE,
             name=f"{base}_scale",
             **_layout_argument(scales_layout),
         )

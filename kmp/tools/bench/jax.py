@@ -64,6 +64,27 @@ def enable_compilation_cache(directory=None) -> str:
     return directory
 
 
+def full_float32():
+    """float32 matmuls and convolutions at full float32 precision while
+    the benchmark runs (`jax.default_matmul_precision("float32")`, read
+    when a step is traced): on NVIDIA GPUs of compute capability 8.0 and
+    newer JAX computes them in TF32 by default, which would make the
+    float32 baseline a reduced-precision one."""
+    return jax.default_matmul_precision(FULL_FLOAT32)
+
+
+def float32_matmuls() -> str:
+    """The precision of float32 matmuls and convolutions now:
+    `FULL_FLOAT32`, or what JAX was set to (`"default"`: TF32 on recent
+    NVIDIA GPUs)."""
+    precision = jax.config.jax_default_matmul_precision or "default"
+    return FULL_FLOAT32 if precision in _FULL else f"{precision} (JAX)"
+
+
+FULL_FLOAT32 = "float32"
+_FULL = (FULL_FLOAT32, "highest")
+
+
 def context(configuration):
     """Nothing to set per configuration on JAX."""
     return contextlib.nullcontext()

@@ -226,6 +226,14 @@ def legend(results: Sequence[Dict]) -> str:
         "training set after training; test accuracy on the held-out "
         "examples."
     )
+    precisions = sorted(
+        {r.get("float32_matmuls") or "not recorded" for r in results}
+    )
+    text += (
+        " float32 matmuls and convolutions (the float32 rows', and the "
+        f"float32 layers' of the others): {', '.join(precisions)}"
+    )
+    text += " (full precision, TF32 off)." if precisions == ["float32"] else "."
     if any(
         r.get(f"{key}_ci") is not None
         for r in results

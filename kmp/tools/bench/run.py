@@ -9,8 +9,12 @@ Dense -> Dense logits -> a float32 softmax on scikit-learn's digits);
 `mlp`, `cnn` and `transformer` are sized for a GPU (`bench.models`).
 
 Policies that compute in float16 use `kmp.LossScaleOptimizer`; the others
-the plain optimizer. With `native=True` the loss-scaled configurations run
-a second time with Keras 3's own `keras.optimizers.LossScaleOptimizer`, so
+the plain optimizer. float32 matmuls and convolutions run at full float32
+precision in every configuration (on NVIDIA GPUs JAX and TensorFlow would
+use TF32 by default, and torch for cuDNN's convolutions), so a speed-up is
+never measured against a TF32 baseline; each result records it. With
+`native=True` the loss-scaled configurations run a second time with
+Keras 3's own `keras.optimizers.LossScaleOptimizer`, so
 kmp's cost shows as a ratio; with `overhead=True` they run a third time
 without loss scaling, so what loss scaling costs shows too. On torch plain
 PyTorch AMP (`torch.autocast`, `torch.amp.GradScaler`) trains the same
@@ -237,6 +241,8 @@ def _result(configuration, data, spec, warmed, device):
         else None,
         "skipped_steps": configuration.skipped_steps() if scaled else None,
         "skipped_at": list(configuration.skipped_at) if scaled else None,
+        # Read from the framework while the run holds it (`full_float32`).
+        "float32_matmuls": backend_module().float32_matmuls(),
     }
 
 
@@ -339,7 +345,11 @@ def run_benchmark(
     measured (`plan_steps`), and never fewer than
     `bench_stats.MIN_ROUND_STEPS` steps per round. Changes no global state
     but JAX's compilation cache folder (`compilation_cache`): policies are
-    set with `kmp.policy_scope` while each model is built.
+    set with `kmp.policy_scope` while each model is built, and float32
+    matmuls and convolutions run at full float32 precision during the run
+    (TF32 off: the backend module's `full_float32`), in every row, so that
+    on a GPU no speed-up is measured against a TF32 baseline; the settings
+    are restored after it.
 
     Args:
         policies: Policy names, from `kmp.core.policy.POLICY_NAMES`.
@@ -385,7 +395,9 @@ def run_benchmark(
         loss scaling), `state_mb` (weights and optimizer state), and the
         settings `batch_size`, `units`, `learning_rate`, `warmup_steps`,
         `rounds`, `blocks_per_round`, `steps`, `build_seconds`,
-        `first_call_seconds`, `warmup_seconds`, `warmup_ms`.
+        `first_call_seconds`, `warmup_seconds`, `warmup_ms`, and
+        `float32_matmuls` (`"float32"`: full precision, read from the
+        framework during the run).
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -425,100 +437,109 @@ def run_benchmark(
         module.enable_compilation_cache(
             None if compilation_cache is True else compilation_cache
         )
-    spec = bench_models.model_spec(
-        model, size, units, batch_size, gpu=device == "gpu"
-    )
-    problem = unsupported(spec.name, policies)
-    if problem:
-        raise ValueError(f"{problem} Received: policies={tuple(policies)!r}")
-    data = bench_models.load_data(spec)
-    x_train, _, y_train, _ = data
-    batches = bench_models.Batches(x_train, y_train, spec.batch_size)
-    plan = plan_configurations(
-        policies, loops, native, overhead, torch_amp, device, low_precision
-    )
-    progress = _Progress(verbose)
-    progress.say(
-        f"kmp bench: {bench_models.describe(spec)}; Keras on "
-        f"{backend.name()} ({device}); {_count(len(plan), 'configuration')}."
-    )
-    if steps is None:
-        progress.say(
-            f"Time budget for the timed steps: {budget_seconds:g} s "
-            "(--budget); building, compiling and warming up come first, "
-            "on top of it."
+    # Every row, the float32 baseline's included, at full float32
+    # precision: never measured against a TF32 one on a GPU.
+    with module.full_float32():
+        spec = bench_models.model_spec(
+            model, size, units, batch_size, gpu=device == "gpu"
         )
-    progress.say("Building, compiling and warming up every configuration...")
-    progress.start(len(plan), "configuration")
-    started = time.perf_counter()
-    configurations = []
-    for p, loop, implementation in plan:
-        built = time.perf_counter()
-        configuration = Configuration(
-            p, loop, implementation, spec, batches, memory
-        )
-        configuration.build_seconds = _since(built)
-        configurations.append(configuration)
-    build_seconds = _since(started)
-    walls = bench_plan.StepWalls()
-    warm_started = [time.perf_counter()]
-
-    def warmed_up(configuration, timed):
-        configuration.warmup_seconds = (
-            _since(warm_started[0]) - timed.trace_seconds
-        )
-        warm_started[0] = time.perf_counter()
-        progress.advance()
-
-    timings = timing.warm_up_all(
-        configurations,
-        warmup_min=warmup_steps if steps is not None else 1,
-        warmup_max=warmup_steps,
-        context=module.context,
-        observe=walls.observe,
-        warmed_up=warmed_up,
-        max_seconds=None
-        if steps is not None
-        else _WARMUP_SHARE * budget_seconds / len(plan),
-    )
-    progress.say(_warmup_line(configurations, timings, build_seconds))
-    seconds = walls.per_step(timings)
-    if steps is None:
-        steps, fits = bench_plan.steps_for_budget(
-            seconds, data, spec, budget_seconds, rounds
-        )
-        if not fits:
-            progress.say(
-                f"The budget ({budget_seconds:g} s) cannot hold "
-                f"{bench_stats.MIN_ROUNDS} rounds of "
-                f"{bench_stats.MIN_ROUND_STEPS} timed steps per "
-                "configuration, the fewest kmp bench times: timing them "
-                "anyway, which takes about "
-                f"{bench_plan.minimum_seconds(seconds, rounds):.0f} s "
-                "(fewer policies or a smaller model take less)."
+        problem = unsupported(spec.name, policies)
+        if problem:
+            raise ValueError(
+                f"{problem} Received: policies={tuple(policies)!r}"
             )
-    per_round = bench_stats.round_steps(steps, rounds)
-    blocks = bench_stats.blocks_per_round(min(per_round))
-    block = bench_stats.block_sizes(per_round[0], blocks)[0]
-    progress.say(
-        f"Timing {_count(steps, 'step')} per configuration in "
-        f"{_count(rounds, 'round')} of {_count(blocks, 'block')} (about "
-        f"{_count(block, 'step')} each, one device sync per block): about "
-        f"{(steps + rounds) * sum(seconds):.0f} s."
-    )
-    progress.start(len(plan) * (steps + rounds), "step")
-    bench_rounds.time_rounds(
-        configurations,
-        steps,
-        rounds,
-        context=module.context,
-        advance=progress.advance,
-    )
-    results = [
-        _result(c, data, spec, timings[c.label], device) for c in configurations
-    ]
-    add_comparisons(results)
-    return results
+        data = bench_models.load_data(spec)
+        x_train, _, y_train, _ = data
+        batches = bench_models.Batches(x_train, y_train, spec.batch_size)
+        plan = plan_configurations(
+            policies, loops, native, overhead, torch_amp, device, low_precision
+        )
+        progress = _Progress(verbose)
+        progress.say(
+            f"kmp bench: {bench_models.describe(spec)}; Keras on "
+            f"{backend.name()} ({device}); {_count(len(plan), 'configuration')}"
+            f"; float32 matmuls and convolutions: {module.float32_matmuls()}."
+        )
+        if steps is None:
+            progress.say(
+                f"Time budget for the timed steps: {budget_seconds:g} s "
+                "(--budget); building, compiling and warming up come first, "
+                "on top of it."
+            )
+        progress.say(
+            "Building, compiling and warming up every configuration..."
+        )
+        progress.start(len(plan), "configuration")
+        started = time.perf_counter()
+        configurations = []
+        for p, loop, implementation in plan:
+            built = time.perf_counter()
+            configuration = Configuration(
+                p, loop, implementation, spec, batches, memory
+            )
+            configuration.build_seconds = _since(built)
+            configurations.append(configuration)
+        build_seconds = _since(started)
+        walls = bench_plan.StepWalls()
+        warm_started = [time.perf_counter()]
+
+        def warmed_up(configuration, timed):
+            configuration.warmup_seconds = (
+                _since(warm_started[0]) - timed.trace_seconds
+            )
+            warm_started[0] = time.perf_counter()
+            progress.advance()
+
+        timings = timing.warm_up_all(
+            configurations,
+            warmup_min=warmup_steps if steps is not None else 1,
+            warmup_max=warmup_steps,
+            context=module.context,
+            observe=walls.observe,
+            warmed_up=warmed_up,
+            max_seconds=None
+            if steps is not None
+            else _WARMUP_SHARE * budget_seconds / len(plan),
+        )
+        progress.say(_warmup_line(configurations, timings, build_seconds))
+        seconds = walls.per_step(timings)
+        if steps is None:
+            steps, fits = bench_plan.steps_for_budget(
+                seconds, data, spec, budget_seconds, rounds
+            )
+            if not fits:
+                progress.say(
+                    f"The budget ({budget_seconds:g} s) cannot hold "
+                    f"{bench_stats.MIN_ROUNDS} rounds of "
+                    f"{bench_stats.MIN_ROUND_STEPS} timed steps per "
+                    "configuration, the fewest kmp bench times: timing them "
+                    "anyway, which takes about "
+                    f"{bench_plan.minimum_seconds(seconds, rounds):.0f} s "
+                    "(fewer policies or a smaller model take less)."
+                )
+        per_round = bench_stats.round_steps(steps, rounds)
+        blocks = bench_stats.blocks_per_round(min(per_round))
+        block = bench_stats.block_sizes(per_round[0], blocks)[0]
+        progress.say(
+            f"Timing {_count(steps, 'step')} per configuration in "
+            f"{_count(rounds, 'round')} of {_count(blocks, 'block')} (about "
+            f"{_count(block, 'step')} each, one device sync per block): about "
+            f"{(steps + rounds) * sum(seconds):.0f} s."
+        )
+        progress.start(len(plan) * (steps + rounds), "step")
+        bench_rounds.time_rounds(
+            configurations,
+            steps,
+            rounds,
+            context=module.context,
+            advance=progress.advance,
+        )
+        results = [
+            _result(c, data, spec, timings[c.label], device)
+            for c in configurations
+        ]
+        add_comparisons(results)
+        return results
 
 
 def _warmup_line(configurations, timings, build_seconds):

@@ -24,6 +24,31 @@ def device() -> str:
     return "gpu" if tf.config.list_physical_devices("GPU") else "cpu"
 
 
+FULL_FLOAT32 = "float32"
+
+
+@contextlib.contextmanager
+def full_float32():
+    """float32 matmuls and convolutions at full float32 precision while
+    the benchmark runs, then the setting as it was: TensorFlow computes
+    them in TF32 on NVIDIA GPUs of compute capability 8.0 and newer by
+    default (`tf.config.experimental.enable_tensor_float_32_execution`)."""
+    saved = tf.config.experimental.tensor_float_32_execution_enabled()
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+    try:
+        yield
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(saved)
+
+
+def float32_matmuls() -> str:
+    """The precision of float32 matmuls and convolutions now:
+    `FULL_FLOAT32`, or TF32 where the GPU has it."""
+    if tf.config.experimental.tensor_float_32_execution_enabled():
+        return "TF32 allowed (TensorFlow)"
+    return FULL_FLOAT32
+
+
 @contextlib.contextmanager
 def context(configuration):
     """The settings a configuration's steps run under, and its memory.

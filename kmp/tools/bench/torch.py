@@ -44,6 +44,44 @@ def device() -> str:
     return "gpu" if _on_cuda() else "cpu"
 
 
+FULL_FLOAT32 = "float32"
+
+
+@contextlib.contextmanager
+def full_float32():
+    """float32 matmuls and convolutions at full float32 precision while
+    the benchmark runs, then the settings as they were: TF32 off for
+    cuBLAS and cuDNN (torch allows it for cuDNN's convolutions by default)
+    and `torch.set_float32_matmul_precision("highest")`."""
+    matmul = torch.backends.cuda.matmul
+    saved = (
+        matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+    )
+    matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
+        torch.set_float32_matmul_precision(saved[2])
+
+
+def float32_matmuls() -> str:
+    """The precision of float32 matmuls and convolutions now:
+    `FULL_FLOAT32`, or which ones may run in reduced precision."""
+    reduced = []
+    if torch.backends.cuda.matmul.allow_tf32:
+        reduced.append("cuBLAS")
+    if torch.backends.cudnn.allow_tf32:
+        reduced.append("cuDNN")
+    precision = torch.get_float32_matmul_precision()
+    if precision != "highest":
+        reduced.append(f"float32 matmul precision {precision!r}")
+    return f"TF32 allowed ({', '.join(reduced)})" if reduced else FULL_FLOAT32
+
+
 @contextlib.contextmanager
 def context(configuration):
     """Keeps the allocator's peak during the steps, on a CUDA device."""

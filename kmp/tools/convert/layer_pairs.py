@@ -80,8 +80,12 @@ def _own_variables(layer) -> list:
     return [*layer._trainable_variables, *layer._non_trainable_variables]
 
 
-def copy_weights(model, rebuilt, pairs, function) -> None:
-    """Copies every layer's own variables to its copy, checking shapes."""
+def copy_weights(model, rebuilt, pairs, function) -> list:
+    """Copies every layer's own variables to its copy, checking shapes.
+
+    Returns:
+        The `(variable, copy)` pairs.
+    """
     assignments = []
     for layer in model._flatten_layers(include_self=True):
         if id(layer) not in pairs:
@@ -115,6 +119,7 @@ def copy_weights(model, rebuilt, pairs, function) -> None:
         # dtype keeps that very buffer, which the source's next donating
         # step would delete under the copy.
         b.assign(keras.ops.copy(a.value))
+    return assignments
 
 
 __all__ = ["copy_weights", "pairs"]

@@ -36,6 +36,7 @@ from kmp.core.policy import PolicyLike
 from kmp.core.policy import as_policy as _to_policy
 from kmp.core.policy import policy_scope
 from kmp.tools import models
+from kmp.tools.convert import fine_tuning
 from kmp.tools.convert import optimizer as convert_optimizer
 from kmp.tools.convert import rebuild
 from kmp.tools.convert.keep_float32 import KeepFloat32
@@ -76,6 +77,14 @@ def convert(
     optimizer in `kmp.LowPrecisionOptimizer` with Kahan compensation, so
     the copy still trains (see `guides/bfloat16_weights.py`); its compile
     config names the wrapper, so a saved copy loads with it and its state.
+
+    A model being fine-tuned converts as it is (`fine_tuning`): layers with
+    LoRA (`enable_lora`) have it on the copy with the same rank, alpha and
+    weights, frozen layers and variables are frozen, and the new optimizer
+    is built for the copy's trainable variables, with the model's
+    optimizer's weight-decay exclusions (`exclude_from_weight_decay`).
+    Enable LoRA before converting: LoRA enabled on the copy needs the copy
+    compiled again, as for any model whose optimizer is built.
 
     Args:
         model: A Sequential or Functional model (a keras-hub backbone or
@@ -157,12 +166,21 @@ def convert(
             "ignore", _NUMPY_COPY_WARNING, category=DeprecationWarning
         )
         if rebuild.rebuilds_from_config(model):
-            converted = rebuild.rebuild(model, policy, float32_ids, named_ids)
+            converted, variables = rebuild.rebuild(
+                model, policy, float32_ids, named_ids
+            )
         else:
-            converted = _clone(model, policy, float32_ids)
+            converted, variables = _clone(model, policy, float32_ids)
         if model.compiled:
             convert_optimizer.compile_copy(
-                converted, model, policy, wraps, rounding, slot_dtype, seed
+                converted,
+                model,
+                policy,
+                wraps,
+                rounding,
+                slot_dtype,
+                seed,
+                variables,
             )
     return converted
 
@@ -180,7 +198,9 @@ class _CannotRebuild(Exception):
 
 
 def _clone(model, policy, float32_ids):
-    """`clone_model` with every floating layer's policy replaced."""
+    """`clone_model` with every floating layer's policy replaced, LoRA and
+    trainable flags as the model's (`fine_tuning`): `(copy, [(variable,
+    its copy), ...])`."""
     target = keras.DTypePolicy(policy.name)
     float32 = keras.DTypePolicy("float32")
     pairs = []
@@ -224,9 +244,12 @@ def _clone(model, policy, float32_ids):
                 "instead: `with kmp.policy_scope(policy): new = "
                 "build_model()`, then `new.set_weights(model.get_weights())`."
             ) from error
+    fine_tuning.enable_lora_like(pairs, "convert")
     for layer, clone in pairs:
         clone.set_weights(layer.get_weights())
-    return converted
+    variables = fine_tuning.variable_pairs(pairs)
+    fine_tuning.trainable_like(pairs, variables)
+    return converted, variables
 
 
 def _named_inputs(model):

@@ -114,10 +114,48 @@ def check_optimizer(model) -> None:
             )
 
 
-def compile_copy(converted, model, policy, wraps, rounding, slot_dtype, seed):
+def _innermost(optimizer):
+    """The optimizer inside every wrapper (loss-scale, low-precision)."""
+    while getattr(optimizer, "inner_optimizer", None) is not None:
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+def _exclusions_setter(model, variables):
+    """Sets, on the copy's optimizer before it is built, the weight-decay
+    exclusions of the model's (`exclude_from_weight_decay`, which Keras
+    keeps outside the optimizer's config): the same names, and the copies
+    of the variables excluded. None where there are none."""
+    source = _innermost(model.optimizer)
+    excluded = getattr(source, "_exclude_from_weight_decay", None) or set()
+    pattern = getattr(source, "_exclude_from_weight_decay_pattern", None)
+    if not excluded and pattern is None:
+        return None
+    var_list = [
+        copy
+        for variable, copy in variables
+        if source._var_key(variable) in excluded
+    ]
+    # Keras joins the names into one regular expression: itself again.
+    var_names = None if pattern is None else [pattern.pattern]
+
+    def before_build(optimizer):
+        _innermost(optimizer).exclude_from_weight_decay(
+            var_list=var_list, var_names=var_names
+        )
+
+    return before_build
+
+
+def compile_copy(
+    converted, model, policy, wraps, rounding, slot_dtype, seed, variables
+):
     """Compiles `converted` like `model`, with a new optimizer of the same
     class and settings (its inner one, if loss-scaled and `policy` does not
-    compute in float16), in `LowPrecisionOptimizer` if `wraps`.
+    compute in float16), in `LowPrecisionOptimizer` if `wraps`, and with
+    the same variables excluded from weight decay (`variables`: the
+    `(variable, copy)` pairs), then builds the optimizer, for the copy's
+    trainable variables (its LoRA weights only, where LoRA is enabled).
 
     It calls `converted.compile(**config)` with the model's compile config,
     also where the class overrides `compile` (a keras-hub task, whose
@@ -156,7 +194,12 @@ def compile_copy(converted, model, policy, wraps, rounding, slot_dtype, seed):
         )
     with policy_scope(policy):
         try:
-            hub_compile.compile_from(converted, config, **extra)
+            hub_compile.compile_from(
+                converted,
+                config,
+                before_build=_exclusions_setter(model, variables),
+                **extra,
+            )
         except TypeError as error:
             cls = type(model).__name__
             raise ValueError(

@@ -9,6 +9,8 @@ instead, with every floating `"dtype"` of the config replaced by a Keras
 `DTypePolicyMap`: the new policy by default, float32 for the paths of the
 layers to keep in float32 (the way keras-hub stores per-layer policies of
 quantized models, so the converted model saves and loads with them). The
+layers given LoRA since the model was built get it again, with the same
+rank, and every layer and variable its trainable flag (`fine_tuning`); the
 weights are then copied, variable by variable.
 
 Not every layer can be kept in float32 this way (`config_policies` says
@@ -34,6 +36,7 @@ from kmp.core.policy import Policy
 from kmp.core.policy import policy_scope
 from kmp.tools import models
 from kmp.tools.convert import config_policies
+from kmp.tools.convert import fine_tuning
 from kmp.tools.convert import layer_pairs
 
 _FLOAT32 = "float32"
@@ -98,7 +101,9 @@ def rebuild(
         function: The kmp function the user called, for errors.
 
     Returns:
-        The new model, with `model`'s weights.
+        `(new model, [(variable, its copy), ...])`: the new model has
+        `model`'s weights, its LoRA layers and trainable flags
+        (`fine_tuning`).
 
     Raises:
         ValueError: the model cannot be rebuilt from its config, a layer
@@ -127,8 +132,15 @@ def rebuild(
             )
     pairs = layer_pairs.pairs(model, rebuilt, function)
     _check_policy_changed(model, rebuilt, pairs, policy, function)
-    layer_pairs.copy_weights(model, rebuilt, pairs, function)
-    return rebuilt
+    in_order = [
+        (layer, pairs[id(layer)])
+        for layer in model._flatten_layers(include_self=True)
+        if id(layer) in pairs
+    ]
+    fine_tuning.enable_lora_like(in_order, function)
+    variables = layer_pairs.copy_weights(model, rebuilt, pairs, function)
+    fine_tuning.trainable_like(in_order, variables)
+    return rebuilt, variables
 
 
 def _from_config(model, policy, config, groups):

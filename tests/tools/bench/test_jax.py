@@ -71,3 +71,24 @@ def test_memory_is_what_xla_allocates_for_a_step():
     # Weights, Adam's two slots, new weights: at least 4 copies of them.
     weights_mb = 4 * (64 * 64 + 64 * 64 + 64 * 10) / 2**20
     assert large - small > 4 * weights_mb * 0.9
+
+
+def test_full_float32_pins_the_precision_of_a_traced_step():
+    """A step traced inside `full_float32` multiplies float32 matrices at
+    the highest precision (in its StableHLO); outside, JAX's default."""
+    import jax
+    import jax.numpy as jnp
+
+    from kmp.tools.bench import jax as jax_bench
+
+    x = jnp.ones((4, 4), "float32")
+
+    def lowered():
+        return jax.jit(lambda a: a @ a).lower(x).as_text()
+
+    assert jax_bench.float32_matmuls() == "default (JAX)"
+    assert "HIGHEST" not in lowered()
+    with jax_bench.full_float32():
+        assert jax_bench.float32_matmuls() == "float32"
+        assert "HIGHEST" in lowered()
+    assert jax_bench.float32_matmuls() == "default (JAX)"

@@ -12,6 +12,8 @@ import pytest
 from kmp.tools.bench import report as bench_report
 from kmp.tools.bench import run as bench
 from kmp.tools.bench import stats as bench_stats
+from kmp.tools.bench.configuration import Configuration
+from kmp.tools.bench.configuration import backend_module
 from tests.support import backends
 
 # With -n: one worker runs this module, so its shared run is made once.
@@ -604,3 +606,38 @@ def test_low_precision_rows_train_and_report_their_state():
         "bfloat16, 16-bit state",
         "bfloat16, 8-bit state",
     ]
+
+
+def test_every_step_runs_float32_at_full_precision(monkeypatch):
+    """On a GPU JAX and TensorFlow compute float32 matmuls in TF32 by
+    default (torch its cuDNN convolutions): the run pins full precision
+    for every step, records it on every row and restores the settings."""
+    module = backend_module()
+    before = module.float32_matmuls()
+    assert before != "float32"  # The frameworks' defaults allow TF32.
+    seen = set()
+    original = Configuration.step
+
+    def step(self):
+        seen.add(module.float32_matmuls())
+        return original(self)
+
+    monkeypatch.setattr(Configuration, "step", step)
+    results = bench.run_benchmark(
+        ["float32"], ["custom"], steps=100, warmup_steps=1, torch_amp=False,
+        **TINY,
+    )  # fmt: skip
+    assert seen == {"float32"}
+    assert [r["float32_matmuls"] for r in results] == ["float32"]
+    assert module.float32_matmuls() == before
+
+
+@pytest.mark.anybackend
+def test_the_legend_says_the_float32_precision():
+    results = [_result("float32", "fit", 10.0, 0.9)]
+    # A result saved before kmp recorded it.
+    legend = bench_report.legend(results)
+    assert "the float32 layers' of the others): not recorded." in legend
+    results[0]["float32_matmuls"] = "float32"
+    legend = bench_report.legend(results)
+    assert "others): float32 (full precision, TF32 off)." in legend

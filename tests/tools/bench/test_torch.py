@@ -77,3 +77,24 @@ def test_plain_pytorch_trains_the_same_network():
         kmp_losses, rel=5e-2
     )
     assert by_key[("mixed_bfloat16", "torch")]["kmp_over_torch"] > 0
+
+
+def test_full_float32_turns_tf32_off_and_restores_the_settings():
+    import torch
+
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = (matmul.allow_tf32, cudnn.allow_tf32)
+    matmul.allow_tf32 = cudnn.allow_tf32 = True
+    torch.set_float32_matmul_precision("high")
+    try:
+        described = torch_bench.float32_matmuls()
+        assert described.startswith("TF32 allowed (cuBLAS, cuDNN, ")
+        with torch_bench.full_float32():
+            assert (matmul.allow_tf32, cudnn.allow_tf32) == (False, False)
+            assert torch.get_float32_matmul_precision() == "highest"
+            assert torch_bench.float32_matmuls() == "float32"
+        assert (matmul.allow_tf32, cudnn.allow_tf32) == (True, True)
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = saved
+        torch.set_float32_matmul_precision("highest")
