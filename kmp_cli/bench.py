@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -357,7 +358,8 @@ def run(args: argparse.Namespace) -> int:
             "torch_amp": args.torch_amp,
             "wall_seconds": wall_seconds,
         }
-        bench_report.write_json(results, args.json, settings)
+        command = shlex.join(["kmp", *args.argv])
+        bench_report.write_json(results, args.json, settings, command)
         print(f"Wrote {args.json}")
     if args.plot:
         bench_report.write_plot(results, args.plot)

@@ -12,6 +12,7 @@ import io
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -245,6 +246,13 @@ def test_json_holds_machine_info_and_settings(full_run):
     assert settings["steps_fixed"] is True
     assert settings["policies"] == list(bench.DEFAULT_POLICIES)
     assert document["summary"] == bench_report.summarize(document["results"])
+
+
+def test_json_names_its_date_and_command_for_the_performance_page(full_run):
+    document = full_run["json"]
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", document["date"])
+    assert document["command"].startswith("kmp bench ")
+    assert "--json" in document["command"]
 
 
 def test_json_holds_every_configuration_and_its_measurements(full_run):

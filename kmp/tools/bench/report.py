@@ -12,6 +12,7 @@ returns (or their JSON), so a saved run can be reported again:
     print(bench_report.summarize(results))
 """
 
+import datetime
 import json
 import os
 import platform
@@ -475,9 +476,13 @@ def _backend_versions() -> Dict:
     return info
 
 
-def write_json(results, path, settings=None) -> None:
-    """Writes the results, the settings and machine information as JSON."""
+def write_json(results, path, settings=None, command=None) -> None:
+    """Writes the results, the settings and machine information as JSON,
+    with the date and the command that measured them (what the
+    documentation's performance page needs to show the file)."""
     document = {
+        "date": datetime.date.today().isoformat(),
+        "command": command or "kmp bench",
         "machine": machine_info(),
         "settings": dict(settings or {}),
         "results": list(results),
