@@ -32,8 +32,9 @@ import math
 
 import keras
 
-# Variables smaller than this (in elements) keep their state whole: 16 KB
-# of float32 per slot, less than a gather of it costs to set up.
+# Variables smaller than this (in elements) keep their state whole: under
+# 16 KB of float32 per slot, where splitting saves little and adds a gather
+# of the variable to each step.
 MIN_SHARDED_SIZE = 4096
 
 
