@@ -52,6 +52,11 @@ AdamW, Lion or SGD, are updated in parts, which bounds the temporaries
 (`kmp.core.low_bit.parts`).
 On JAX the whole update is pure, so `stateless_apply` (which `fit` and a
 jitted loop call) works as for any Keras optimizer.
+With `shard_state=True` (JAX, under a `keras.distribution`) the state is
+split over the data-parallel devices: each variable's slots and
+compensation buffer are laid out over the mesh's data axis
+(`kmp.core.low_bit.sharded_state`), and XLA updates each shard where it lies
+and gathers the updated weights.
 
 Limits: the compensation buffer has 8 significant bits too, so Kahan follows
 float32 within a fraction of an ulp for varying updates but drifts by a few
@@ -71,6 +76,7 @@ from kmp.core.loss_scale import arguments as optimizer_arguments
 from kmp.core.low_bit import arguments
 from kmp.core.low_bit import parts
 from kmp.core.low_bit import rounding
+from kmp.core.low_bit import sharded_state
 from kmp.core.low_bit import shared_step as step_shared
 from kmp.core.low_bit import slots as quantized_slots
 
@@ -137,6 +143,17 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         exclude_from_8bit: With a quantized `slot_dtype`: regular
             expressions; the slots of a variable whose path one matches
             keep their dtype.
+        shard_state: True to split the optimizer state over the data axis
+            of the `keras.distribution` in effect when the optimizer
+            builds (JAX only; ZeRO stage 1): the state of each variable of
+            4096 elements or more (slots in any `slot_dtype`, quantized
+            codes and scales, compensation buffers) is laid out on one of
+            its axes over the mesh's `batch_dim_name` axis, beside the
+            model axes of its layout under `ModelParallel`, so each device
+            holds and updates 1/N of it; the weights keep their layout,
+            and the compiled step gathers their updates. Training gives
+            the unsplit run's results within float32 rounding
+            (`kmp.core.low_bit.sharded_state`). Default False.
         seed: The stochastic-rounding seed, an integer in [0, 2**63 - 1]
             (NumPy's too); None draws one from Python's `random` (seeded by
             `keras.utils.set_random_seed`), which the config then holds.
@@ -146,7 +163,11 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         TypeError: `inner_optimizer` is not a Keras optimizer or is a
             loss-scale or low-precision one; an argument has the wrong type.
         ValueError: an argument has a wrong value, or the inner optimizer
-            is built or uses EMA, gradient accumulation or a loss scale.
+            is built or uses EMA, gradient accumulation or a loss scale;
+            `shard_state=True` on TensorFlow or torch, or without a
+            `keras.distribution` in effect. At build: `shard_state=True`
+            and a variable of 4096 elements or more none of whose axes the
+            data axis's devices divide.
 
     Example:
 
@@ -178,8 +199,12 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         block_size=None,
         min_8bit_size=None,
         exclude_from_8bit=None,
+        shard_state=False,
     ):
         backend.check_supported("kmp.LowPrecisionOptimizer")
+        arguments.check_shard_state(
+            shard_state, backend.name(), keras.distribution.distribution()
+        )
         plan = arguments.check_arguments(
             type(self),
             inner_optimizer,
@@ -194,6 +219,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         self._inner_optimizer = inner_optimizer
         self._rounding = rounding
         self._slot_dtype = slot_dtype
+        self._shard_state = shard_state
         self._streams = streams()
         seed = random.getrandbits(62) if seed is None else int(seed)
         with keras.name_scope(self.name, caller=self):
@@ -210,6 +236,7 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         object.__setattr__(self, "_plan", plan)
         object.__setattr__(self, "_located", {})
         object.__setattr__(self, "_plain_slots", {})
+        object.__setattr__(self, "_split", None)
 
     @property
     def inner_optimizer(self) -> keras.optimizers.Optimizer:
@@ -225,6 +252,11 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
     def slot_dtype(self):
         """The inner optimizer's slot dtype, or None for each variable's."""
         return self._slot_dtype
+
+    @property
+    def shard_state(self) -> bool:
+        """Whether the state is split over the data-parallel devices."""
+        return self._shard_state
 
     @property
     def quantized(self) -> bool:
@@ -266,11 +298,21 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
     def build(self, var_list):
         if self.built:
             return
+        split = None
+        if self._shard_state:
+            split = sharded_state.split_of_distribution(
+                quantized_slots.storage_of(self._plan)
+            )
+        if split is not None:
+            split.check(var_list)  # Before anything is built.
+        object.__setattr__(self, "_split", split)
         super().build(var_list)
         self._build_inner(var_list)
         kahan = self._rounding == "kahan"
         self._compensations = [
-            self.add_variable_from_reference(variable, "compensation")
+            self.add_variable_from_reference(
+                sharded_state.reference(split, variable), "compensation"
+            )
             if kahan and rounding.is_low(variable.dtype)
             else None
             for variable in var_list
@@ -281,9 +323,11 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         slot_dtype = self._slot_dtype
         if slot_dtype in quantized_slots.SLOT_DTYPES:
             slot_dtype = None
+        split = self._split
         if (
             self._plan is None
             and slot_dtype is None
+            and split is None
             and not any(_is_float16(variable.dtype) for variable in var_list)
         ):
             inner.build(var_list)
@@ -302,9 +346,13 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
 
         lent = {"add_variable": add_variable}
         slots = []
+        builder = inner.add_variable_from_reference
+        if split is not None:  # Slots laid out over the data axis.
+            builder = sharded_state.plain_builder(split, builder)
+            lent["add_variable_from_reference"] = builder
         if self._plan is not None:
             lent["add_variable_from_reference"] = quantized_slots.lent_builder(
-                self._plan, inner, slots
+                self._plan, inner, slots, builder, split
             )
         with borrow.lent(inner, **lent):
             inner.build(var_list)
@@ -352,7 +400,22 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             if grads:
                 grads = step_shared.clip_gradients(inner, grads)
                 _steps.apply_update(self, grads, variables)
+                if self._split is not None:
+                    self._keep_layouts(variables)
             inner._iterations.assign_add(1)
+
+    def _keep_layouts(self, variables):
+        """Lays each updated weight out as its variable, not as the split
+        state it was computed from: in a jitted loop whose outputs have no
+        shardings of their own, XLA would otherwise leave the weights
+        split too, and the next step's forward pass would run on shards."""
+        for variable in variables:
+            layout = getattr(variable, "_layout", None)
+            if layout is not None:
+                value = keras.distribution.distribute_tensor(
+                    variable.value, layout
+                )
+                variable.assign(value)
 
     def _all_reduce_sum_gradients(self, grads_and_vars):
         # Keras's own sums every gradient in one all-reduce, which fails
@@ -500,6 +563,9 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
             "slot_dtype": self._slot_dtype,
             "seed": self.seed,
             **quantized_slots.config(self._plan),
+            # Only where set: configs of optimizers without it stay as
+            # they were.
+            **({"shard_state": True} if self._shard_state else {}),
         }
 
     @classmethod
@@ -514,7 +580,16 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         inner = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
-        return cls(inner, **config)
+        # A file saved with the state split loads anywhere (one device, any
+        # backend): the state is split where a distribution is in effect at
+        # build, as the weights follow it, and whole elsewhere.
+        shard_state = config.pop("shard_state", False)
+        optimizer = cls(inner, **config)
+        if shard_state is True:
+            optimizer._shard_state = True
+        elif shard_state is not False:
+            arguments.check_shard_state(shard_state, backend.name(), None)
+        return optimizer
 
 
 _KERAS_WEIGHT_DECAY = keras.optimizers.Optimizer._apply_weight_decay

@@ -118,6 +118,10 @@ JAX_ONLY = {
         "--variables 4 --repeats 1 --steps 2".split(),
         "kmp (cond)",
     ),
+    "shard_state.py": (
+        "--quick --devices 4 --output {tmp}/shard_state.json".split(),
+        "state bytes/device, split / replicated",
+    ),
 }
 
 # The result file each claim script writes with --results (the

@@ -11,6 +11,8 @@ setup.cfg):
   built in place of the inner optimizer's, laid out like their variable
   and written back;
 - `parts`: a large variable's update in parts of whole blocks;
+  `sharded_state`: the state split over the data-parallel devices
+  (`shard_state=True`), on which axis of each variable;
 - `quantization` (block-wise codes with a scale per block, packed two to a
   byte at 4 bits) and `rounding` (float32 arithmetic on bfloat16 or
   float16 variables, and stochastic rounding back);

@@ -74,3 +74,50 @@ def check_seed(seed) -> None:
         _refuse(TypeError, "seed", allowed, seed)
     if seed is not None and not 0 <= seed <= _MAX_SEED:
         _refuse(ValueError, "seed", allowed, seed)
+
+
+# What splits optimizer state where Keras's backend cannot
+# (`check_shard_state`).
+_SHARD_STATE_ELSEWHERE = {
+    "tensorflow": (
+        "Keras's TensorFlow backend lays no variable out over devices "
+        "(tf.distribute's strategies keep a whole copy on each)"
+    ),
+    "torch": (
+        "Keras's torch backend lays no variable out over devices (torch's "
+        "ZeroRedundancyOptimizer and FSDP split the state of torch "
+        "optimizers, not of Keras's)"
+    ),
+}
+
+
+def check_shard_state(shard_state, backend_name: str, distribution) -> None:
+    """Refuses `shard_state` unless it is a bool, and True unless Keras runs
+    on JAX (`backend_name`) under a `keras.distribution` (`distribution`:
+    the one in effect, or None)."""
+    allowed = "True or False"
+    if not isinstance(shard_state, bool):
+        _refuse(TypeError, "shard_state", allowed, shard_state)
+    if not shard_state:
+        return
+    if backend_name != "jax":
+        why = _SHARD_STATE_ELSEWHERE.get(
+            backend_name, f"Keras's {backend_name} backend cannot"
+        )
+        raise ValueError(
+            "'shard_state' must be False on Keras's "
+            f"{backend_name} backend: the state is split by XLA's "
+            "partitioning of the compiled step under a keras.distribution, "
+            f"on JAX only; {why}. Run on JAX (KERAS_BACKEND=jax) under "
+            "keras.distribution.DataParallel or ModelParallel. Received: "
+            "shard_state=True"
+        )
+    if distribution is None:
+        raise ValueError(
+            "'shard_state=True' needs a keras.distribution in effect, over "
+            "whose data axis the state is split: call "
+            "keras.distribution.set_distribution(keras.distribution."
+            "DataParallel()) (or ModelParallel) first, or create the "
+            "optimizer inside distribution.scope(). Received: "
+            "shard_state=True with no distribution"
+        )

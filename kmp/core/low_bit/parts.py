@@ -38,9 +38,10 @@ the variable); under XLA within a float32 rounding (it may fuse a multiply
 and an add otherwise for a part's shape), and a part's stochastic-rounding
 bits come from the variable's seed with the part's first index folded in.
 Variables with a constraint (which reads the whole variable) are updated
-whole, and so are variables sharded by a layout (`keras.distribution`):
-each device updates its own shard, whose temporaries are the shard's, where
-flat parts would gather the variable onto every device.
+whole, and so are variables sharded by a layout (`keras.distribution`),
+or whose state is (`shard_state=True`): each device updates its own shard,
+whose temporaries are the shard's, where flat parts would gather the
+variable or its state onto every device.
 """
 
 import contextlib
@@ -66,7 +67,7 @@ def bounds(optimizer, index, update_in_parts):
         return None
     if getattr(variable, "constraint", None) is not None:
         return None
-    if is_sharded(variable):
+    if is_sharded(variable) or _state_is_sharded(optimizer, index, located):
         return None
     size = math.prod(tuple(variable.shape))
     block = located[0][1].block_size if located else 1
@@ -74,6 +75,16 @@ def bounds(optimizer, index, update_in_parts):
     if size <= step:
         return None
     return [(start, min(start + step, size)) for start in range(0, size, step)]
+
+
+def _state_is_sharded(optimizer, index, located) -> bool:
+    """Whether a layout shards any of variable `index`'s state (its
+    compensation, plain slots or quantized codes), as `shard_state=True`
+    does (`kmp.core.low_bit.sharded_state`) to a variable it leaves whole."""
+    state = [slot.codes for _, slot in located or ()]
+    state += [slot for _, slot in optimizer._plain_slots.get(index, ())]
+    state.append(optimizer._compensations[index])
+    return any(is_sharded(each) for each in state if each is not None)
 
 
 # The slot lists of the optimizers whose update is elementwise (Adam,

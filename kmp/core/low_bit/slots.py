@@ -32,6 +32,7 @@ from kmp.core import checks
 from kmp.core.low_bit import codes
 from kmp.core.low_bit import parts
 from kmp.core.low_bit import quantization
+from kmp.core.low_bit import sharded_state
 
 # The quantized slot dtypes, by name (`kmp.core.low_bit.codes.CODES`).
 SLOT_DTYPES = tuple(codes.CODES)
@@ -156,11 +157,13 @@ def config(plan) -> dict:
     }
 
 
-def lent_builder(plan, inner, slots):
+def lent_builder(plan, inner, slots, original=None, split=None):
     """The `add_variable_from_reference` lent to `inner` while it builds:
-    a quantized slot where `plan` says so (appended to `slots`), else the
-    inner optimizer's own."""
-    original = inner.add_variable_from_reference
+    a quantized slot where `plan` says so (appended to `slots`), else
+    `original` (by default the inner optimizer's own); `split` (a
+    `kmp.core.low_bit.sharded_state.Split`, or None) lays the codes and
+    scales out over the data axis too."""
+    original = original or inner.add_variable_from_reference
 
     def add_variable_from_reference(
         reference_variable, name=None, initializer="zeros"
@@ -181,7 +184,7 @@ def lent_builder(plan, inner, slots):
         else:
             codes_shape, scales_shape = storage.codes, storage.scales
         codes_layout, scales_layout = layouts(
-            reference_variable, storage, plan, name
+            reference_variable, storage, plan, name, split
         )
         base = f"{reference_variable.path.replace('/', '_')}_{name}"
         signed = quantization.is_signed(name)
@@ -216,9 +219,11 @@ def _layout_argument(layout) -> dict:
     return {} if layout is None else {"layout": layout}
 
 
-def layouts(variable, storage, plan, slot_name):
+def layouts(variable, storage, plan, slot_name, split=None):
     """`(codes layout, scales layout)` of a quantized slot of `variable`:
-    its layout's mesh axes on the same axes (`storage`,
+    its layout's mesh axes on the same axes, or those `split` gives its
+    state (`kmp.core.low_bit.sharded_state.Split.axes`: the data axis
+    added; flat codes split in whole blocks) (`storage`,
     `kmp.core.low_bit.quantization.Storage`; None: flat codes, which only a
     replicated layout can hold), the scales' blocked axis sharded where each
     device holds whole blocks (else the scales of those blocks, 1/256 of
@@ -272,7 +277,13 @@ def layouts(variable, storage, plan, slot_name):
                 "multiple of, or one that is a multiple of it, or keep this "
                 "variable's slots unquantized (exclude_from_8bit)."
             )
-        return _like(layout, (None,)), _like(layout, (None,))
+        flat = (None,)
+        if split is not None:
+            count = quantization.blocks(math.prod(shape), plan.block_size)
+            flat = split.flat_axes(variable, count) or flat
+        return _like(layout, flat), _like(layout, flat)
+    if split is not None:
+        axes = split.axes(variable) or axes
     columns = axes[-1]
     if columns is not None and storage.codes[-1] % devices(columns):
         raise ValueError(
@@ -292,23 +303,26 @@ def layouts(variable, storage, plan, slot_name):
     return _like(layout, axes), _like(layout, scales)
 
 
-def _axes_of(layout):
-    """A layout's mesh axis per variable axis (None: not a known layout)."""
-    if layout is None:
-        return None
-    axes = getattr(layout, "axes", None)
-    if axes is None:
-        axes = getattr(layout, "spec", None)
-    return None if axes is None else tuple(axes)
+_axes_of = sharded_state.axes_of
+_mesh_sizes = sharded_state.mesh_sizes
 
 
-def _mesh_sizes(layout) -> dict:
-    if isinstance(layout, keras.distribution.TensorLayout):
-        mesh = layout.device_mesh
-        if mesh is None:  # Given the distribution's when it is used.
-            mesh = keras.distribution.distribution().device_mesh
-        return dict(zip(mesh.axis_names, mesh.shape))
-    return dict(layout.mesh.shape)  # A JAX NamedSharding.
+def storage_of(plan):
+    """`variable` -> how its quantized slots are kept under `plan`: None
+    (not quantized), `("shaped", Storage)` or `("flat", blocks)`
+    (`kmp.core.low_bit.sharded_state.Split`'s `storage_of`)."""
+
+    def find(variable):
+        if plan is None or not plan.quantizes(variable, SLOT_NAMES[0]):
+            return None
+        shape = tuple(variable.shape)
+        storage = quantization.storage(shape, plan.block_size, plan.code)
+        if storage is None:
+            size = math.prod(shape)
+            return "flat", quantization.blocks(size, plan.block_size)
+        return "shaped", storage
+
+    return find
 
 
 def _like(layout, axes):
