@@ -4,16 +4,16 @@ every Keras optimizer and every clipping option.
 What `docs/guarantees.md` states for a JAX `fit`: with `jit_compile=False`
 the wrapped step equals the bare optimizer's bit for bit, weights and
 optimizer variables; with `jit_compile=True` (the default) too, for every
-optimizer and clipping option (`clipnorm`, `clipvalue`,
-`global_clipnorm`): kmp unscales the gradients before the `lax.cond` whose
-branch runs the inner update, so XLA compiles and rounds the update as the
-bare optimizer's. But for SGD with momentum (Nesterov or not) on JAX 0.10,
-within the units in the last place `NOT_EXACT_UNDER_JIT` gives, and there
-bit for bit Keras's own `LossScaleOptimizer` (the bare step's XLA fuses the
-gradient's negation, from the backward pass, into the momentum update,
-which neither conditional lets it); and, on a model larger than this
-module's, for the two norm clippings, within the norm's rounding, and bit
-for bit Keras's own. A skipped step leaves every weight and optimizer
+optimizer and clipping option (`clipnorm`, `clipvalue`, `global_clipnorm`):
+kmp unscales the gradients before the `lax.cond` whose branch runs the
+inner update, so XLA compiles and rounds the update as the bare
+optimizer's. But for SGD with momentum (Nesterov or not) on JAX 0.10 and
+0.11, within the units in the last place `NOT_EXACT_UNDER_JIT` gives, and
+there bit for bit Keras's own `LossScaleOptimizer` (the bare step's XLA
+fuses the gradient's negation, from the backward pass, into the momentum
+update, which neither conditional lets it); and, on a model larger than
+this module's, for the two norm clippings, within the norm's rounding, and
+bit for bit Keras's own. A skipped step leaves every weight and optimizer
 variable as it was, bit for bit, in both.
 """
 
@@ -83,11 +83,12 @@ UNCLIPPED = [(name, "none", scale) for name in ZOO for scale in SCALES]
 # (unclipped or clipped), which may differ by the ulps given (float32, in
 # any weight or optimizer variable, after each of STEPS steps), and are
 # then Keras's own LossScaleOptimizer's bit for bit
-# (`test_under_jit_where_not_bare_the_step_is_kerass_own`). Measured on
-# JAX 0.10.2 (an AVX-512 CPU): 1 for SGD with Nesterov momentum after 2
-# steps, in a momentum slot (1 for SGD with momentum after 3); 0 on JAX
-# 0.11.2 and 0.12.1; 0 for every other optimizer and clipping option on all
-# three. (Before, with the gradients unscaled inside the branch by a
+# (`test_under_jit_where_not_bare_the_step_is_kerass_own`). Measured (an
+# AVX-512 CPU), in a momentum slot: on JAX 0.10.2, 1 for SGD with Nesterov
+# momentum after 2 steps, 1 for SGD with momentum after 3; on JAX 0.11.2,
+# 1 for SGD with momentum after 2 steps, 1 with Nesterov's after 3; on JAX
+# 0.12.1, 0 after 3 steps; 0 for every other optimizer and clipping option
+# on all three. (Before, with the gradients unscaled inside the branch by a
 # multiplication XLA fused into the update: up to 256 ulps, Muon on JAX
 # 0.12.) The bounds leave room for other CPUs and XLA's choices.
 NOT_EXACT_UNDER_JIT = {"sgd_momentum": 4, "sgd_nesterov": 4}
