@@ -97,6 +97,25 @@ def tensorflow_version():
     return version_tuple(tensorflow().__version__)
 
 
+def jax_version():
+    """JAX's version as a tuple, or None off the JAX backend."""
+    if not is_jax():
+        return None
+    import jax
+
+    return version_tuple(jax.__version__)
+
+
+def torch_version():
+    """torch's version as a tuple (`2.13.0+cpu` -> `(2, 13, 0)`), or None off
+    the torch backend."""
+    if not is_torch():
+        return None
+    import torch
+
+    return version_tuple(torch.__version__)
+
+
 def _unavailable_error(
     what: str, alternative: str, needs: str = "TensorFlow"
 ) -> RuntimeError:

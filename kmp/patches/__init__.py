@@ -18,7 +18,8 @@ whole or one by one with `uninstall`, or before `import kmp` with the
 environment variable `KMP_PATCHES`: `none`, a list of names to install
 (`global_policy,compile`), or names to leave out of the defaults
 (`-dense,-recurrent`). On a Keras or TensorFlow kmp was not tested with,
-performance patches stay off with one warning.
+performance patches stay off with one warning; a JAX or torch release kmp
+was not tested with gets the warning too.
 
 >>> sorted(info.name for info in available())
 ['compile', 'dense', 'global_policy', 'hub_compile', 'mean', 'recurrent']
@@ -40,7 +41,8 @@ ENVIRONMENT_VARIABLE = "KMP_PATCHES"
 
 
 class VersionWarning(UserWarning):
-    """kmp runs on a Keras or TensorFlow it was not tested with."""
+    """kmp runs on a Keras, TensorFlow, JAX or torch release it was not
+    tested with."""
 
 
 def _patches() -> list:
@@ -197,7 +199,8 @@ def install_at_import() -> None:
     """What `import kmp` does: the patches `KMP_PATCHES` asks for.
 
     Performance patches not tested with this Keras / TensorFlow stay off,
-    and one `VersionWarning` says so.
+    and one `VersionWarning` says so; it also names a JAX or torch release
+    kmp was not tested with.
     """
     wanted = _from_environment()
     kept_off = [
@@ -211,25 +214,52 @@ def install_at_import() -> None:
     versions = _untested_versions()
     if versions:
         warnings.warn(
-            "kmp was tested with Keras 3.12-3.15 and TensorFlow 2.18-2.21; "
-            f"this is {versions}. It works, with these performance patches "
-            f"off: {', '.join(kept_off) or 'none'} (see kmp.patches).",
+            f"kmp was tested with {_tested_releases()}; this is {versions}. "
+            "It works, with these performance patches off: "
+            f"{', '.join(kept_off) or 'none'} (see kmp.patches).",
             VersionWarning,
             stacklevel=3,
         )
 
 
+def _releases(name, bounds) -> str:
+    """`"Keras 3.12-3.15"`, `"torch 2.13"`."""
+    low, high = (".".join(map(str, bound)) for bound in bounds)
+    return f"{name} {low}" if low == high else f"{name} {low}-{high}"
+
+
+def _checked_releases() -> list:
+    """`(name, version or None, tested bounds)` of Keras and this backend's
+    framework."""
+    return [
+        ("Keras", backend.keras_version(), registry.TESTED_KERAS),
+        (
+            "TensorFlow",
+            backend.tensorflow_version(),
+            registry.TESTED_TENSORFLOW,
+        ),
+        ("JAX", backend.jax_version(), registry.TESTED_JAX),
+        ("torch", backend.torch_version(), registry.TESTED_TORCH),
+    ]
+
+
+def _tested_releases() -> str:
+    """What kmp was tested with, for Keras and this backend."""
+    kept = [
+        _releases(name, bounds)
+        for name, version, bounds in _checked_releases()
+        if name == "Keras" or version is not None
+    ]
+    return " and ".join(kept)
+
+
 def _untested_versions() -> str:
-    parts = []
-    keras_version = backend.keras_version()
-    if not registry.in_range(keras_version, registry.TESTED_KERAS):
-        parts.append("Keras " + ".".join(map(str, keras_version)))
-    tensorflow_version = backend.tensorflow_version()
-    if tensorflow_version is not None and not registry.in_range(
-        tensorflow_version, registry.TESTED_TENSORFLOW
-    ):
-        parts.append("TensorFlow " + ".".join(map(str, tensorflow_version)))
-    return " and ".join(parts)
+    """Keras's and the backend's versions kmp was not tested with."""
+    return " and ".join(
+        f"{name} {'.'.join(map(str, version))}"
+        for name, version, bounds in _checked_releases()
+        if version is not None and not registry.in_range(version, bounds)
+    )
 
 
 __all__ = [

@@ -29,6 +29,11 @@ BEHAVIOUR = "behaviour"
 PERFORMANCE = "performance"
 TESTED_KERAS = ((3, 12), (3, 15))
 TESTED_TENSORFLOW = ((2, 18), (2, 21))
+# The other backends' releases kmp's test suite ran on (docs/releases.md;
+# JAX 0.6 to 0.8 had a smoke run only): on others `import kmp` warns (no
+# patch of kmp's touches their code).
+TESTED_JAX = ((0, 10), (0, 12))
+TESTED_TORCH = ((2, 13), (2, 13))
 
 
 @dataclasses.dataclass(frozen=True)

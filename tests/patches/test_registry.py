@@ -251,6 +251,56 @@ def test_performance_patches_stay_off_on_an_untested_keras(monkeypatch):
     assert not set(installed) & set(TENSORFLOW_ONLY)
 
 
+def _version_warnings():
+    """The `VersionWarning`s `import kmp`'s install gives now."""
+    patches.uninstall()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        patches.install_at_import()
+    return [
+        str(w.message) for w in caught if w.category is patches.VersionWarning
+    ]
+
+
+def test_the_installed_releases_are_tested_ones():
+    # CI's environments (the newest and oldest pairs, JAX 0.10 and 0.12,
+    # torch 2.13) are within the tested ranges: no warning.
+    assert _version_warnings() == []
+
+
+@pytest.mark.parametrize(
+    "framework, name",
+    [
+        pytest.param(framework, name, marks=getattr(pytest.mark, framework))
+        for framework, name in (
+            ("tensorflow", "TensorFlow"),
+            ("jax", "JAX"),
+            ("torch", "torch"),
+        )
+    ],
+)
+def test_an_untested_backend_release_warns_at_import(
+    monkeypatch, framework, name
+):
+    monkeypatch.setattr(backend, f"{framework}_version", lambda: (9, 99, 0))
+    messages = _version_warnings()
+    assert len(messages) == 1
+    assert f"this is {name} 9.99.0." in messages[0]
+    low, high = getattr(registry, f"TESTED_{framework.upper()}")
+    assert f"{name} {low[0]}.{low[1]}" in messages[0]
+    assert "Keras 3.12-3.15" in messages[0]
+    installed = patches.installed()
+    assert "global_policy" in installed and "compile" in installed
+
+
+def test_another_backends_release_is_not_read(monkeypatch):
+    # Off its backend, a framework kmp does not use is never imported or
+    # named, whatever is installed.
+    for framework in ("tensorflow", "jax", "torch"):
+        if backend.name() != framework:
+            assert getattr(backend, f"{framework}_version")() is None
+
+
 def test_a_behaviour_patch_that_fails_its_check_is_removed_and_raises(
     monkeypatch,
 ):

@@ -478,9 +478,18 @@ def nan_batches(bad_batches, batches=6):
 
 
 def fit_steps(trained, inputs_per_step):
-    """One `fit` step per entry (a batch of inputs) of `inputs_per_step`."""
+    """One `fit` step per entry (a batch of inputs) of `inputs_per_step`,
+    its rows in order: `fit` would shuffle them (`shuffle=True`) by the
+    global seed's next draw, so two models given the same batches would
+    sum their losses in different orders and differ by an ulp."""
     for inputs in inputs_per_step:
-        trained.fit(inputs, Y[:BATCH_SIZE], batch_size=BATCH_SIZE, verbose=0)
+        trained.fit(
+            inputs,
+            Y[:BATCH_SIZE],
+            batch_size=BATCH_SIZE,
+            shuffle=False,
+            verbose=0,
+        )
 
 
 def load_model_without_skipping(path):

@@ -1,22 +1,29 @@
 """One `LossScaleOptimizer` step on JAX: `stateless_apply`, `apply`, and
 what `keep_on_skip` keeps.
 
-The step is pure (`kmp.core.loss_scale.shared_step.stateless_apply`): in a trace
-(`jax.jit`: `fit`'s compiled step, a jitted loop) the inner optimizer's
-`stateless_apply` runs in one branch of a `lax.cond` on the finite check,
-and the other branch returns the values it was given (as Keras's own
-`LossScaleOptimizer`): a skipped step leaves weights, slots and
+The step is pure (`kmp.core.loss_scale.shared_step.stateless_apply`): in a
+trace (`jax.jit`: `fit`'s compiled step, a jitted loop) the inner
+optimizer's `stateless_apply` runs in one branch of a `lax.cond` on the
+finite check, and the other branch returns the values it was given (as
+Keras's own `LossScaleOptimizer`): a skipped step leaves weights, slots and
 `iterations` exactly as they were, XLA still updates donated buffers in
 place, and the update is compiled as the bare optimizer's. (A `jnp.where`
 of new against old values, as Flax's `DynamicScale`, keeps both alive: XLA
 then copies every weight and slot each step, 1.5-3x the step time of Adam
 alone on 202 small variables on a CPU;
-`benchmarks/diagnostics/jax_apply_or_skip.py`.) Run
-eagerly (no trace), the update runs op by op as the inner optimizer's own
-and each value is then selected on the device, without reading the finite
-check on the host. The stateful `apply` is that step on the variables'
-values, assigned after. A traced step's persistent-skips report is left to
-`check_persistent_skips` on its results (`kmp.core.loss_scale.lagged`).
+`benchmarks/diagnostics/jax_apply_or_skip.py`.) The
+gradients of a scaled loss are unscaled before the conditional
+(`step_unscale`): the branch's update reads them as finished values, as the
+bare optimizer's and Keras's `LossScaleOptimizer`'s updates read theirs,
+and XLA compiles and rounds it as theirs (unscaled inside the branch, by a
+multiplication XLA fuses into the update, the products are contracted into
+the update's multiply-adds otherwise: Muon 256 ulps away after two steps on
+JAX 0.12; `tests/core/jax/test_optimizer_zoo.py`). Run eagerly (no trace),
+the update runs op by op as the inner optimizer's own and each value is
+then selected on the device, without reading the finite check on the host.
+The stateful `apply` is that step on the variables' values, assigned after.
+A traced step's persistent-skips report is left to `check_persistent_skips`
+on its results (`kmp.core.loss_scale.lagged`).
 """
 
 import jax
@@ -43,7 +50,7 @@ def stateless_apply(
         trainable_variables,
         scaled,
         choose,
-        unscale_in_branch=branch_unscale(optimizer),
+        unscale=step_unscale(optimizer),
     )
     if not isinstance(in_a_row, jax.core.Tracer):
         common.report(optimizer, in_a_row, scale)
@@ -71,7 +78,7 @@ def apply(optimizer, grads, variables, scaled, aggregate=True):
         [v.value for v in trained],
         scaled,
         choose,
-        unscale_in_branch=branch_unscale(optimizer),
+        unscale=step_unscale(optimizer),
     )
     for variable, value in zip(trained, new_trained):
         variable.assign(value)
@@ -103,21 +110,21 @@ def choose(apply_ok, applied, skipped):
     return select(apply_ok, applied(), skipped())
 
 
-def branch_unscale(optimizer):
-    """How the applying branch unscales the gradients of the scaled loss
-    itself (`kmp.core.loss_scale.shared_step.stateless_apply`'s
-    `unscale_in_branch`), or None. Where every scale the optimizer can take
-    is a power of two (`loss_scale.powers_of_two`: the default rule's), by a
-    multiplication by the reciprocal, which gives the division's values
-    exactly and which XLA fuses into each update fusion that reads the
-    gradient, as the check's division into its reductions: no unscaled copy
-    is written out.
-    Otherwise None: the quotients are written out once, before the branch,
-    and read by the check and the update (XLA repeats no division in
-    several fusions, so dividing in the branch again would save nothing)."""
+def step_unscale(optimizer):
+    """How the step unscales the gradients of the scaled loss, before the
+    conditional (`kmp.core.loss_scale.shared_step.stateless_apply`'s
+    `unscale`). Where every scale the optimizer can take is a power of two
+    (`loss_scale.powers_of_two`: the default rule's), by a multiplication
+    by the reciprocal, which gives the division's values exactly and which
+    XLA fuses into the check's reductions and into the kernel that makes
+    the gradient, where there is one (under a mixed policy, the cast of
+    each float16 gradient to its float32 variable's dtype): the branch then
+    reads the unscaled gradients as the bare update reads its own, and no
+    pass is added. (A division would be written out on its own: XLA
+    repeats no division in several fusions.) Otherwise by the division."""
     if loss_scale.powers_of_two(optimizer.rule, optimizer.initial_scale):
         return scaling.unscale_by_reciprocal
-    return None
+    return scaling.unscale_gradients
 
 
 def select(condition, when_true, when_false):

@@ -16,6 +16,16 @@ finished it:
 - the last `LAG` steps of a loop are reported by `flush` (the loop's
   `check_persistent_skips_now`).
 
+A loop's check (`check_persistent_skips`, called after every step) needs
+a step's numbers only where its skips in a row may have reached the limit
+(`max_consecutive_skips`): they grow by one a step at most, so from the
+newest step read, `LaggedChecks.needed` knows which steps cannot, and those
+are neither copied nor read. A step that reaches the limit is always kept
+and reported a step later, as every step was before; with the default
+limit of 1000 the check copies and reads about two steps in a thousand
+rather than every one (a copy is a dispatch of its own on the device, and
+a read makes the host wait for the step before).
+
 On torch the step reads the device once anyway (to apply or skip), and
 its report needs no lag (`kmp.core.torch.step`), except with a fused
 optimizer, whose step reads nothing: its numbers come as a `HostCopy`.
@@ -73,13 +83,26 @@ def is_jax_array(value) -> bool:
 
 
 class LaggedChecks:
-    """The packed numbers of the steps not reported yet, oldest first."""
+    """The packed numbers of the steps not reported yet, oldest first, each
+    with its place among the steps counted (`add`, `add_packed`, `skip`)."""
 
     def __init__(self):
         self._copies = collections.deque()
+        self._steps = 0  # Steps counted so far.
+        # `(step, skips in a row)` of the newest step read, if any.
+        self._newest_read = None
 
     def __len__(self) -> int:
         return len(self._copies)
+
+    def needed(self, limit) -> bool:
+        """Whether the next step's skips in a row may reach `limit`: a step
+        adds one at most, so from the newest step read they can be known
+        to stay below it. Unknown (nothing read yet): needed."""
+        if self._newest_read is None:
+            return True
+        step, in_a_row = self._newest_read
+        return in_a_row + (self._steps - step) >= limit
 
     def add_packed(self, packed) -> None:
         """Keeps a step's packed numbers (see `pack`) and starts their copy
@@ -87,26 +110,41 @@ class LaggedChecks:
         start = getattr(packed, "copy_to_host_async", None)
         if start is not None:
             start()
-        self._copies.append(packed)
+        self._copies.append((self._steps, packed))
+        self._steps += 1
 
     def add(self, in_a_row, scale) -> None:
         """Packs a step's numbers into a new buffer and keeps them."""
         self.add_packed(_pack_outside_trace(in_a_row, scale))
 
+    def skip(self) -> None:
+        """Counts a step whose numbers are not needed (see `needed`)."""
+        self._steps += 1
+
     def due(self):
-        """`(in_a_row, scale)` of every step `LAG` or more steps old,
-        oldest first; each is handed out once."""
-        while len(self._copies) > LAG:
-            yield _read(self._copies.popleft())
+        """`(in_a_row, scale)` of every step kept `LAG` or more steps before
+        the newest one counted, oldest first; each is handed out once."""
+        newest = self._steps - 1
+        while self._copies and self._copies[0][0] <= newest - LAG:
+            yield self._read_oldest()
 
     def flush(self):
         """`(in_a_row, scale)` of every step kept, oldest first (waits for
-        the newest)."""
+        the newest). What follows is not known to be one run with them: the
+        next step is needed."""
         while self._copies:
-            yield _read(self._copies.popleft())
+            yield self._read_oldest()
+        self._newest_read = None
 
     def clear(self) -> None:
         self._copies.clear()
+        self._newest_read = None
+
+    def _read_oldest(self):
+        step, packed = self._copies.popleft()
+        in_a_row, scale = _read(packed)
+        self._newest_read = (step, in_a_row)
+        return in_a_row, scale
 
 
 def _read(packed):

@@ -248,19 +248,13 @@ def stateless_apply(
     choose,
     unscale=scaling.unscale_gradients,
     agree=None,
-    unscale_in_branch=None,
 ):
     """See `LossScaleOptimizer.stateless_apply`; the backend's step passes
     `choose(apply_ok, applied, skipped)`, which runs one of the two and
     returns its `(new trainable values, new inner values)`, and `unscale`
     and `agree`, as `kmp.core.loss_scale.shared_step.prepare` takes them.
-
-    `unscale_in_branch(grads, scale, keep)`, if given (JAX's), unscales
-    scaled gradients again inside `applied`, as `unscale` does for the
-    check: the unscaled gradients are then computed twice rather than
-    written out once and read twice, and the compiler fuses each into what
-    reads it (the check's reductions; the inner update, where the second
-    is a multiplication by the scale's reciprocal, `kmp.core.jax.step`).
+    The gradients are unscaled once, before `choose`: the check and the
+    inner update read the same unscaled values (`kmp.core.jax.step`).
 
     Returns:
         `(new trainable values, new optimizer values, skips in a row,
@@ -284,16 +278,10 @@ def stateless_apply(
             optimizer, grads, variables, scaled, unscale, agree
         )
     inner = optimizer.inner_optimizer
-    again = scaled and unscale_in_branch is not None
 
     def applied():
-        given = unscaled
-        if again:
-            scale = scale_of(optimizer, optimizer_variables)
-            kept = kept_gradients(optimizer, variables)
-            given = unscale_in_branch(grads, scale, kept)
         new_trainable, new_inner = inner.stateless_apply(
-            inner_values, given, trainable_variables
+            inner_values, unscaled, trainable_variables
         )
         return list(new_trainable), list(new_inner)
 

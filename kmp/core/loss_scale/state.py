@@ -223,8 +223,13 @@ class StateMixin:
         whose numbers have long arrived (`kmp.core.loss_scale.lagged`). So a
         report comes one step late, at the same step on every process;
         `check_persistent_skips_now` after the loop reports on the last
-        step. Values that are not device arrays (NumPy, torch tensors) are
-        reported at once.
+        step. Each call counts as a step: from the newest step it read, it
+        knows which steps cannot have reached `max_consecutive_skips` (a
+        step adds one skip at most) and neither keeps nor reads those, so
+        that most calls cost no work on the device (call it after every
+        step: with fewer calls, a run of skips that ends between two of
+        them may go unreported). Values that are not device arrays (NumPy,
+        torch tensors) are reported at once.
 
         Args:
             optimizer_variables: Values of `optimizer.variables` (a JAX
@@ -247,16 +252,19 @@ class StateMixin:
                     *(ops.convert_to_numpy(v) for v in values)
                 )
                 return
-            self._lagged_checks().add(*values)
         else:
-            in_a_row, scale = self._skip_values(optimizer_variables)
-            if not lagged.is_jax_array(in_a_row):
+            values = self._skip_values(optimizer_variables)
+            if not lagged.is_jax_array(values[0]):
                 self.report_persistent_skips(
-                    ops.convert_to_numpy(in_a_row), ops.convert_to_numpy(scale)
+                    *(ops.convert_to_numpy(v) for v in values)
                 )
                 return
-            self._lagged_checks().add(in_a_row, scale)
-        for values in self._lagged_checks().due():
+        checks = self._lagged_checks()
+        if checks.needed(self._max_consecutive_skips):
+            checks.add(*values)
+        else:
+            checks.skip()
+        for values in checks.due():
             self.report_persistent_skips(*values)
 
     def _check_persistent_skips_packed(self, packed) -> None:
@@ -325,11 +333,17 @@ class StateMixin:
                 f"optimizer.variables ({expected}). Received "
                 f"{len(optimizer_variables)} values."
             )
+        # Their places among `own`, found once (a loop asks every step).
         wanted = (self.consecutive_skips_variable, self.dynamic_scale)
-        return tuple(
-            optimizer_variables[next(i for i, v in enumerate(own) if v is w)]
-            for w in wanted
-        )
+        places = self.__dict__.get("_skip_places")
+        if places is None or any(
+            own[i] is not w for i, w in zip(places, wanted)
+        ):
+            places = tuple(
+                next(i for i, v in enumerate(own) if v is w) for w in wanted
+            )
+            object.__setattr__(self, "_skip_places", places)
+        return optimizer_variables[places[0]], optimizer_variables[places[1]]
 
 
 def name_scope(optimizer):

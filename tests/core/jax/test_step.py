@@ -341,6 +341,47 @@ def test_loop_check_does_not_wait_for_a_running_step():
         optimizer.check_persistent_skips(skipped)
 
 
+def test_loop_check_copies_only_the_steps_that_may_reach_the_limit(
+    monkeypatch,
+):
+    """A step adds one skip in a row at most: from the newest step it read,
+    the check knows which steps cannot reach the limit and neither copies
+    nor reads them (no dispatch, no wait), yet reports the step that does,
+    at the next call, as when it copied every step."""
+    from kmp.core.loss_scale import lagged
+
+    model = training.model()
+    optimizer = _raising_loop_optimizer(model, limit=10)
+    copies = []
+    copy = lagged._pack_outside_trace
+    monkeypatch.setattr(
+        lagged,
+        "_pack_outside_trace",
+        lambda *numbers: copies.append(numbers) or copy(*numbers),
+    )
+    values = [v.value for v in optimizer.variables]
+    position = next(
+        i
+        for i, v in enumerate(optimizer.variables)
+        if v is optimizer.consecutive_skips_variable
+    )
+
+    def check(in_a_row):
+        step_values = list(values)
+        step_values[position] = jax.numpy.asarray(
+            in_a_row, values[position].dtype
+        )
+        optimizer.check_persistent_skips(step_values)
+
+    for _ in range(40):  # No skips: two steps in ten copied.
+        check(0)
+    assert 4 <= len(copies) <= 10
+    for in_a_row in range(1, 11):  # The tenth skip in a row: the limit.
+        check(in_a_row)
+    with pytest.raises(FloatingPointError, match="skipped the last 10 steps"):
+        check(0)
+
+
 def test_loop_check_never_reports_before_the_limit():
     model = training.model()
     optimizer = _raising_loop_optimizer(model, limit=3)

@@ -5,13 +5,18 @@ jitted on the weights, the optimizer's values and the gradients:
 `benchmarks/step_counting/jax_steps.py`'s `update_hlo`) and, in its
 optimized HLO, the kernels that read each gradient, or an unscaled copy of
 it written out, are counted (`step_counting/passes.py`). Plain Adam reads
-each gradient twice (its two moments' fusions); GradScaler with fused Adam
-adds one read, the finite check, and nothing else: kmp's step with the
-gradients of the scaled loss does the same (the check divides inside its
-reductions, the update multiplies by the scale's reciprocal inside its
-own), where Keras's `LossScaleOptimizer` writes the unscaled gradients out
-first (4). The check reads every gradient of one shape in one kernel, so
-the kernels loss scaling adds do not grow with the number of variables.
+each gradient twice (its two moments' fusions). kmp's step unscales the
+gradients of the scaled loss before its conditional, so that the update
+in the branch reads them as the bare update reads its own, and rounds as
+it does (`tests/core/jax/test_optimizer_zoo.py`): given the gradients as
+parameters, no kernel makes them, and the unscaling is a kernel that writes
+the unscaled copy out (4 passes, as Keras's `LossScaleOptimizer`, which
+divides inside its branch). In a training step a kernel makes each
+gradient, and XLA fuses the unscaling into it: under `mixed_float16`, the
+README's loop with the scaled loss has one kernel more than the same loop
+without loss scaling (the scale's reciprocal), not one per gradient. The
+check reads every gradient of one shape in one kernel, so the kernels loss
+scaling adds do not grow with the number of variables.
 """
 
 import keras
@@ -62,15 +67,18 @@ def test_plain_adam_reads_each_gradient_twice(counts):
     assert set(counts["plain"][0]) == {2}
 
 
-def test_kmp_reads_each_gradient_once_more_than_plain_adam(counts):
-    # The check; no unscaled copy is written out.
-    assert set(counts["kmp"][0]) == {3}
-    # Keras's LossScaleOptimizer writes the unscaled gradients out first.
+def test_given_the_gradients_kmp_writes_the_unscaled_copy_as_keras(counts):
+    # The unscaling pass, the check's, Adam's two.
+    assert set(counts["kmp"][0]) == {4}
+    # Keras's LossScaleOptimizer: the same (its division, inside its
+    # branch, is written out before the update reads it).
     assert set(counts["keras"][0]) == {4}
 
 
 def test_the_check_adds_a_kernel_per_shape_not_per_gradient(counts):
-    added = counts["kmp"][1] - counts["plain"][1]
+    # The unscaling adds a kernel per gradient here (no kernel makes them
+    # to fuse it into), the check one per shape.
+    added = counts["kmp"][1] - counts["plain"][1] - VARIABLES
     shapes = 5
     assert 0 < added <= 4 * shapes < VARIABLES
     assert counts["kmp"][1] < counts["keras"][1]
@@ -80,14 +88,77 @@ def test_no_more_copies_than_kerass_loss_scale_optimizer(counts):
     assert counts["kmp"][2] <= counts["keras"][2]
 
 
-def test_gradients_unscaled_first_or_a_scale_not_a_power_of_two_cost_a_pass(
+def test_gradients_unscaled_first_or_a_scale_not_a_power_of_two_cost_the_same(
     counts,
 ):
-    # stateless_unscale_gradients writes them out (as asked); a division by
-    # 1000 is written out before the branch, as before (XLA would not
-    # repeat a division in the update's fusions).
+    # stateless_unscale_gradients writes them out (as asked), and a
+    # division by 1000 is written out before the branch: the same passes.
     assert set(counts["kmp_unscaled_first"][0]) == {4}
     assert set(counts["kmp_fixed_1000"][0]) == {4}
+
+
+def loop_kernels(scaled):
+    """`(kernels, copies)` of the README's jitted loop step (donating its
+    state) on the `VARIABLES` model under mixed_float16, with the scaled
+    loss (`scaled=True`), or the loss itself (`scaled=False`)."""
+    import jax
+    import jax.numpy as jnp
+
+    step_counting = step_counting_loader.load()
+    from step_counting import models
+
+    kmp.set_global_policy("mixed_float16")
+    try:
+        model = models.build_model(VARIABLES)
+        optimizer = kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+        optimizer.build(model.trainable_variables)
+        x, y = (jnp.asarray(a) for a in models.data())
+
+        def step(state, x, y):
+            trainable, non_trainable, values = state
+
+            def loss_of(trainable):
+                y_pred, after = model.stateless_call(
+                    trainable, non_trainable, x, training=True
+                )
+                loss = keras.losses.mean_squared_error(y, y_pred).mean()
+                if scaled:
+                    loss = optimizer.stateless_scale_loss(values, loss)
+                return loss, after
+
+            (_, after), grads = jax.value_and_grad(loss_of, has_aux=True)(
+                trainable
+            )
+            trainable, values = optimizer.stateless_apply(
+                values, grads, trainable, scaled=scaled
+            )
+            return trainable, after, values
+
+        state = tuple(
+            [v.value for v in variables]
+            for variables in (
+                model.trainable_variables,
+                model.non_trainable_variables,
+                optimizer.variables,
+            )
+        )
+        jitted = jax.jit(step, donate_argnums=0)
+        text = jitted.lower(state, x, y).compile().as_text()
+    finally:
+        kmp.set_global_policy(None)
+        keras.backend.clear_session(free_memory=False)
+    kernels = step_counting.compiled.hlo_kernels(text)
+    total = kernels["kernels"] + kernels["kernels_in_branches"]
+    return total, kernels["copies"]
+
+
+def test_in_a_mixed_precision_loop_the_unscaling_adds_no_pass():
+    # XLA fuses the multiplication into the cast of each float16 gradient
+    # to its float32 variable: one kernel more in all, the reciprocal.
+    scaled, scaled_copies = loop_kernels(True)
+    plain, plain_copies = loop_kernels(False)
+    assert scaled - plain == 1
+    assert scaled_copies == plain_copies
 
 
 @pytest.mark.parametrize(
@@ -95,7 +166,7 @@ def test_gradients_unscaled_first_or_a_scale_not_a_power_of_two_cost_a_pass(
     [{}, {"initial_scale": 1000.0}, {"backoff_factor": 0.75}],
     ids=["default", "1000", "backoff_0.75"],
 )
-def test_the_update_multiplies_where_every_scale_is_a_power_of_two(settings):
+def test_the_step_multiplies_where_every_scale_is_a_power_of_two(settings):
     # Which settings those are: tests/core/loss_scale/test_rule.py.
     from kmp.core.jax import step
     from kmp.core.loss_scale import scaling
@@ -103,8 +174,9 @@ def test_the_update_multiplies_where_every_scale_is_a_power_of_two(settings):
     optimizer = kmp.LossScaleOptimizer(keras.optimizers.Adam(), **settings)
     powers = loss_scale.powers_of_two(optimizer.rule, optimizer.initial_scale)
     assert powers is (settings == {})
-    want = scaling.unscale_by_reciprocal if powers else None
-    assert step.branch_unscale(optimizer) is want
+    division = scaling.unscale_gradients
+    want = scaling.unscale_by_reciprocal if powers else division
+    assert step.step_unscale(optimizer) is want
 
 
 @pytest.mark.parametrize("initial_scale", [2.0**15, 1000.0, 3.0])

@@ -70,8 +70,9 @@ def _train(
     return list(zip(names, state(model, optimizer))), optimizer
 
 
+ADAM_LEARNING_RATE = 1e-2
 OPTIMIZERS = {
-    "adam": lambda: keras.optimizers.Adam(1e-2),
+    "adam": lambda: keras.optimizers.Adam(ADAM_LEARNING_RATE),
     "adamw-amsgrad": lambda: keras.optimizers.AdamW(1e-2, amsgrad=True),
     "lion": lambda: keras.optimizers.Lion(1e-3),
     "sgd-nesterov": lambda: keras.optimizers.SGD(
@@ -139,12 +140,53 @@ def _same(whole, split, bfloat16=False, atol=1e-7):
             )
 
 
+def _kahan_sums(states, optimizer):
+    """Each Kahan-compensated weight plus its compensation, in float32 (the
+    value the optimizer updates, whose bfloat16 rounding is the weight), and
+    `states` but for the compensations."""
+    weights = len(optimizer._trainable_variables)
+    positions = {id(v): i for i, v in enumerate(optimizer.variables)}
+    summed, drop = [], set()
+    for index, compensation in enumerate(optimizer._compensations):
+        if compensation is None:
+            continue
+        at = weights + positions[id(compensation)]
+        (name, weight), (_, kept) = states[index], states[at]
+        total = weight.astype(np.float32) + kept.astype(np.float32)
+        summed.append((f"{name} + compensation", total))
+        drop.add(at)
+    rest = [entry for i, entry in enumerate(states) if i not in drop]
+    return summed, rest
+
+
 @pytest.mark.parametrize("rounding", ["kahan", "nearest", "stochastic"])
 def test_bfloat16_weights_in_parts(monkeypatch, rounding):
     make = OPTIMIZERS["adam"]
     mode = MODES[0]
-    whole, _ = _train(monkeypatch, 10**9, "bfloat16", rounding, make, mode)
-    split, _ = _train(monkeypatch, PART, "bfloat16", rounding, make, mode)
+    whole, big = _train(monkeypatch, 10**9, "bfloat16", rounding, make, mode)
+    split, small = _train(monkeypatch, PART, "bfloat16", rounding, make, mode)
+    if rounding == "kahan" and not backends.TORCH:
+        # Each weight plus its compensation (what the optimizer updates)
+        # comes out as updating it whole, within a float32 rounding, but
+        # where a code on a midpoint took its neighbour (`_same`): that
+        # element's update then differs by the code's step, and so does the
+        # sum at every later step (the weight may take its neighbouring
+        # bfloat16 value, the compensation the rest). Adam's update is
+        # about the learning rate in size; a code's step changes it by less
+        # than 2**-6 of that (2**-8.8 measured, JAX 0.12).
+        whole_sums, whole = _kahan_sums(whole, big)
+        split_sums, split = _kahan_sums(split, small)
+        assert [name for name, _ in whole_sums] == [
+            "kernel + compensation",
+            "bias + compensation",
+            "kernel + compensation",
+            "bias + compensation",
+        ]
+        for (name, want), (_, got) in zip(whole_sums, split_sums):
+            difference = np.abs(got.astype(np.float64) - want)
+            rounding_off = difference > 1e-7 + 1e-5 * np.abs(want)
+            assert np.mean(rounding_off) < 0.02, name
+            assert difference.max() < ADAM_LEARNING_RATE * 2**-6, name
     if rounding == "stochastic" and not backends.TORCH:
         # A part's bits: the variable's key with its first index folded
         # in. The kernel's weights take their own random walks, a few
