@@ -395,6 +395,17 @@ def test_step_costs_sets_each_goal_against_its_bound(monkeypatch):
         ("<= gradscaler-fused's 0.98x", False),
         (None, None),
     ]
+    jax_records = [
+        row("kmp", "loop", 1.04),
+        row("keras", "loop", 1.03),
+        row("kmp", "fit", 1.3),
+    ]
+    step_costs.add_goals("jax", jax_records)
+    assert [(r.get("goal"), r.get("goal_met")) for r in jax_records] == [
+        ("<= 1.05x and <= keras's 1.03x", False),
+        (None, None),
+        (None, None),
+    ]
 
 
 @pytest.mark.tensorflow  # The argument checks: the same on every backend.
