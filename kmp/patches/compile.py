@@ -151,10 +151,11 @@ def make_train_function(original, self, force=False):
                 packed = None
                 if isinstance(outputs, dict):
                     packed = outputs.pop(SKIPS_KEY, None)
+                steps = self.steps_per_execution
                 if packed is None:  # A train_step of the model's own.
-                    optimizer.check_persistent_skips()
+                    optimizer._check_persistent_skips(steps=steps)
                 else:
-                    optimizer._check_persistent_skips_packed(packed)
+                    optimizer._check_persistent_skips_packed(packed, steps)
                 return outputs
             # A step that runs eagerly (run_eagerly, jit_compile=False)
             # would raise inside, losing the state it returns: it leaves
@@ -162,11 +163,12 @@ def make_train_function(original, self, force=False):
             with optimizer._skips_reported_after_step():
                 outputs = function(*args, **kwargs)
             packed = outputs[0].pop(SKIPS_KEY, None)
+            steps = self.steps_per_execution
             try:
                 if packed is None:  # A train_step of the model's own.
-                    optimizer.check_persistent_skips(outputs[1][2])
+                    optimizer._check_persistent_skips(outputs[1][2], steps)
                 else:
-                    optimizer._check_persistent_skips_packed(packed)
+                    optimizer._check_persistent_skips_packed(packed, steps)
             except FloatingPointError:
                 _write_back(self, outputs[1])
                 raise

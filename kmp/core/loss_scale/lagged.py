@@ -83,55 +83,61 @@ def is_jax_array(value) -> bool:
 
 
 class LaggedChecks:
-    """The packed numbers of the steps not reported yet, oldest first, each
-    with its place among the steps counted (`add`, `add_packed`, `skip`)."""
+    """The packed numbers of the calls not reported yet, oldest first, each
+    with its place among the calls and the steps counted (`add`,
+    `add_packed`, `skip`). A call covers one step, or `steps` (`fit` with
+    `steps_per_execution`): its numbers are those after its last step."""
 
     def __init__(self):
         self._copies = collections.deque()
+        self._calls = 0  # Calls counted so far.
         self._steps = 0  # Steps counted so far.
-        # `(step, skips in a row)` of the newest step read, if any.
+        # `(steps counted, skips in a row)` of the newest numbers read.
         self._newest_read = None
 
     def __len__(self) -> int:
         return len(self._copies)
 
-    def needed(self, limit) -> bool:
-        """Whether the next step's skips in a row may reach `limit`: a step
-        adds one at most, so from the newest step read they can be known
-        to stay below it. Unknown (nothing read yet): needed."""
+    def needed(self, limit, steps=1) -> bool:
+        """Whether the skips in a row after the next call's `steps` steps
+        may reach `limit`: a step adds one at most, so from the newest
+        numbers read they can be known to stay below it. Unknown (nothing
+        read yet): needed."""
         if self._newest_read is None:
             return True
-        step, in_a_row = self._newest_read
-        return in_a_row + (self._steps - step) >= limit
+        counted, in_a_row = self._newest_read
+        return in_a_row + (self._steps + steps - counted) >= limit
 
-    def add_packed(self, packed) -> None:
-        """Keeps a step's packed numbers (see `pack`) and starts their copy
+    def add_packed(self, packed, steps=1) -> None:
+        """Keeps a call's packed numbers (see `pack`) and starts their copy
         to the host."""
         start = getattr(packed, "copy_to_host_async", None)
         if start is not None:
             start()
-        self._copies.append((self._steps, packed))
-        self._steps += 1
+        self._steps += steps
+        self._copies.append((self._calls, self._steps, packed))
+        self._calls += 1
 
-    def add(self, in_a_row, scale) -> None:
-        """Packs a step's numbers into a new buffer and keeps them."""
-        self.add_packed(_pack_outside_trace(in_a_row, scale))
+    def add(self, in_a_row, scale, steps=1) -> None:
+        """Packs a call's numbers into a new buffer and keeps them."""
+        self.add_packed(_pack_outside_trace(in_a_row, scale), steps)
 
-    def skip(self) -> None:
-        """Counts a step whose numbers are not needed (see `needed`)."""
-        self._steps += 1
+    def skip(self, steps=1) -> None:
+        """Counts a call whose numbers are not needed (see `needed`)."""
+        self._steps += steps
+        self._calls += 1
 
     def due(self):
-        """`(in_a_row, scale)` of every step kept `LAG` or more steps before
+        """`(in_a_row, scale)` of every call kept `LAG` or more calls before
         the newest one counted, oldest first; each is handed out once."""
-        newest = self._steps - 1
+        newest = self._calls - 1
         while self._copies and self._copies[0][0] <= newest - LAG:
             yield self._read_oldest()
 
     def flush(self):
-        """`(in_a_row, scale)` of every step kept, oldest first (waits for
+        """`(in_a_row, scale)` of every call kept, oldest first (waits for
         the newest). What follows is not known to be one run with them: the
-        next step is needed."""
+        next call is needed."""
         while self._copies:
             yield self._read_oldest()
         self._newest_read = None
@@ -141,9 +147,9 @@ class LaggedChecks:
         self._newest_read = None
 
     def _read_oldest(self):
-        step, packed = self._copies.popleft()
+        _, counted, packed = self._copies.popleft()
         in_a_row, scale = _read(packed)
-        self._newest_read = (step, in_a_row)
+        self._newest_read = (counted, in_a_row)
         return in_a_row, scale
 
 

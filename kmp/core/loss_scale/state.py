@@ -240,6 +240,12 @@ class StateMixin:
             ValueError: `optimizer_variables` holds more or fewer values
                 than `optimizer.variables`.
         """
+        self._check_persistent_skips(optimizer_variables)
+
+    def _check_persistent_skips(self, optimizer_variables=None, steps=1):
+        """`check_persistent_skips` after a call that ran `steps` steps
+        (`fit`'s train function with `steps_per_execution`): the skips in a
+        row may have grown by that many since the call before."""
         if self._max_consecutive_skips is None:
             return
         if optimizer_variables is None:
@@ -260,20 +266,21 @@ class StateMixin:
                 )
                 return
         checks = self._lagged_checks()
-        if checks.needed(self._max_consecutive_skips):
-            checks.add(*values)
+        if checks.needed(self._max_consecutive_skips, steps):
+            checks.add(*values, steps=steps)
         else:
-            checks.skip()
+            checks.skip(steps)
         for values in checks.due():
             self.report_persistent_skips(*values)
 
-    def _check_persistent_skips_packed(self, packed) -> None:
-        """`check_persistent_skips` on a step's numbers already packed by
-        the step (`kmp.core.loss_scale.lagged.pack`): what `fit` does on JAX."""
+    def _check_persistent_skips_packed(self, packed, steps=1) -> None:
+        """`check_persistent_skips` on a call's numbers already packed by
+        its step (`kmp.core.loss_scale.lagged.pack`): what `fit` does on JAX
+        and under TensorFlow's XLA; the call ran `steps` steps."""
         if self._max_consecutive_skips is None:
             return
         checks = self._lagged_checks()
-        checks.add_packed(packed)
+        checks.add_packed(packed, steps)
         for values in checks.due():
             self.report_persistent_skips(*values)
 

@@ -10,6 +10,7 @@ the same steps, at the same calls, with the same numbers.
 
 import numpy as np
 import pytest
+from hypothesis import example
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -97,3 +98,35 @@ def test_after_a_flush_the_next_step_is_kept():
     checks.skip()
     checks.clear()
     assert checks.needed(1000)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    skipped=st.lists(st.booleans(), min_size=1, max_size=60),
+    limit=st.integers(1, 8),
+    steps=st.integers(2, 4),
+)
+# Counted as one step a call, the call that reaches the limit is dropped.
+@example(skipped=[False] * 10 + [True] * 4 + [False] * 4, limit=4, steps=2)
+def test_calls_of_several_steps_report_as_keeping_every_call(
+    skipped, limit, steps
+):
+    # fit with steps_per_execution: a call's numbers are those after its
+    # last step, and the count may have grown by `steps` since the call
+    # before. Counting each call as one step would keep too few.
+    counts = in_a_row_of(skipped)[steps - 1 :: steps]
+
+    def calls(keep_all):
+        checks = lagged.LaggedChecks()
+        made = []
+        for call, in_a_row in enumerate(counts):
+            if keep_all or checks.needed(limit, steps):
+                checks.add(np.int32(in_a_row), np.float32(call), steps)
+            else:
+                checks.skip(steps)
+            for numbers in checks.due():
+                if numbers[0] >= limit:
+                    made.append((call, int(numbers[1]), numbers[0]))
+        return made
+
+    assert calls(keep_all=False) == calls(keep_all=True)
