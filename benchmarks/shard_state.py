@@ -324,6 +324,7 @@ def _document(found, args, machine):
         ),
         "date": machine["date"].split()[0],
         "machine": _machine_line(machine),
+        "source": "benchmarks/shard_state.py",
         "commands": {"main": command},
         "tables": [
             {

@@ -69,8 +69,11 @@ def way(name):
         yield
         return
     with contextlib.ExitStack() as stack:
-        never_traced = lambda values: False  # noqa: E731
-        stack.enter_context(_patched(jax_step, "any_tracer", never_traced))
+        # The way a step that runs eagerly chooses: select every value.
+        def select_always(apply_ok, applied, skipped):
+            return jax_step.select(apply_ok, applied(), skipped())
+
+        stack.enter_context(_patched(jax_step, "choose", select_always))
         if name == "fused":
             _fuse_the_select(stack)
         yield

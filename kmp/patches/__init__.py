@@ -41,8 +41,7 @@ ENVIRONMENT_VARIABLE = "KMP_PATCHES"
 
 
 class VersionWarning(UserWarning):
-    """kmp runs on a Keras, TensorFlow, JAX or torch release it was not
-    tested with."""
+    """A Keras, TensorFlow, JAX or torch release kmp was not tested with."""
 
 
 def _patches() -> list:
