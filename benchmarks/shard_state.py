@@ -23,10 +23,10 @@ replicated, from the same weights on the same batches, and measures:
 - the collectives of the compiled step (all-gather, all-reduce,
   reduce-scatter, all-to-all instructions in the optimized HLO).
 
-    python benchmarks/shard_state.py [--quick] [--devices 4,8] [--output FILE]
+    python benchmarks/shard_state.py [--quick] [--devices 4,8] [--results]
 
-writes `benchmarks/results/shard_state.json` (kmp-benchmark-results/1) by
-default.
+`--results` writes `benchmarks/results/shard_state.json`
+(kmp-benchmark-results/1), the performance page's table.
 """
 
 import argparse
@@ -426,9 +426,10 @@ def main(argv=None):
     parser.add_argument("--loss-steps", type=int, default=20)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--output", default=str(RESULTS / "shard_state.json"))
+    report.add_results_argument(parser, "shard_state.json")
     parser.add_argument("--worker-output", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    results = report.results_path(parser, args, "shard_state.json")
     if args.worker_output:
         worker(args)
         return
@@ -442,9 +443,12 @@ def main(argv=None):
         "replicated, per N host devices:"
     )
     _print(found)
+    if results is None:
+        return
     document = _document(found, args, report.machine_info())
-    pathlib.Path(args.output).write_text(json.dumps(document, indent=1) + "\n")
-    print(f"Wrote {args.output}")
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(document, indent=1) + "\n")
+    print(f"Wrote {results}")
 
 
 if __name__ == "__main__":

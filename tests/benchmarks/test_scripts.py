@@ -119,7 +119,7 @@ JAX_ONLY = {
         "kmp (cond)",
     ),
     "shard_state.py": (
-        "--quick --devices 4 --output {tmp}/shard_state.json".split(),
+        "--quick --devices 4 --results {tmp}/shard_state.json".split(),
         "state bytes/device, split / replicated",
     ),
 }
