@@ -11,13 +11,17 @@ Each cell (`tests.seams.matrix`) ends in one of two assertions:
   for bit: every weight, every optimizer variable (slots, `iterations`, the
   loss-scale state, compensation buffers, seeds) and the chain of wrappers.
   Where kmp claims it, the run also equals the plain optimizer's on the
-  finite batches, bit for bit.
+  finite batches, bit for bit; where the claim is Keras's own
+  `LossScaleOptimizer`'s instead (`claims_kerass_own`), it equals that,
+  bit for bit, and the plain optimizer's within `BARE_ATOL`.
 
 Cells that fail for a known defect are strict xfails
 (`tests.seams.known_failures`). `KMP_MATRIX=all` runs every cell; CI runs
 a pairwise sample.
 """
 
+import keras
+import numpy as np
 import pytest
 
 import kmp
@@ -35,6 +39,12 @@ SKIPPED_BATCH = 3
 FIRST = slice(0, 4 * BATCH)  # saved after these four steps
 REST = slice(4 * BATCH, 6 * BATCH)
 FINITE_FIRST = slice(0, SKIPPED_BATCH * BATCH)
+# How far a loss-scaled run whose claim is Keras's own `LossScaleOptimizer`
+# may be from the plain optimizer's (`claims_kerass_own`), in any weight or
+# inner optimizer variable after the six steps: measured 3.7e-9 on JAX
+# 0.12.1 (a few ulps, one rounding per step of Adam's update of a kernel),
+# 0 on JAX 0.10.2; about an ulp of a value of order 1.
+BARE_ATOL = 1e-7
 
 
 def fit(model, x, y):
@@ -99,20 +109,97 @@ def reference_run(wrapper, cell):
     return _references[key]
 
 
+def claims_kerass_own(wrapper, cell):
+    """Whether the loss-scaled `wrapper` claims, in `cell`, Keras's own
+    `LossScaleOptimizer`'s run bit for bit rather than the plain
+    optimizer's (`docs/guarantees.md`).
+
+    In a jitted step under `DataParallel` on JAX: the partitioned backward
+    pass makes each kernel's gradient transposed (a [units, inputs] matrix
+    product, summed across the devices). The plain step fuses the
+    transposition into the update, which XLA on JAX 0.12 compiles into a
+    multiplication and a subtraction: two roundings. In a conditional's
+    branch (kmp's step and Keras's own `LossScaleOptimizer`'s alike) the
+    gradient is transposed before the update (fused into the unscaling
+    before the branch, then a copy of its own), whose multiplication and
+    subtraction XLA contracts into one multiply-add: one rounding. On JAX
+    0.10 the plain step's fusion is contracted too, and the runs are equal.
+    Nothing in the step decides either (both are XLA's fusion and code
+    generation); selecting new against old values with `jnp.where`, which
+    would keep the plain step's fusions, copies every weight and slot.
+    """
+    return (
+        backends.JAX
+        and wrapper.skips
+        and cell.mode == "jit"
+        and cell.strategy == "data_parallel"
+    )
+
+
+def kerass_own_run(wrapper, cell):
+    """Keras's own `LossScaleOptimizer` over the plain optimizer on all the
+    batches (it skips the NaN one as kmp's does): (weights, variables of
+    the inner optimizer)."""
+    key = ("keras", wrapper.reference, wrapper.policy, cell.mode)
+    key += (cell.strategy,)
+    if key not in _references:
+        x, y = training.nan_batches({SKIPPED_BATCH})
+        model = training.model()
+        optimizer = keras.optimizers.LossScaleOptimizer(wrapper.reference())
+        model.compile(
+            optimizer=optimizer,
+            loss="mse",
+            **strategies.compile_kwargs(cell.mode),
+        )
+        fit(model, x[FIRST], y[FIRST])
+        fit(model, x[REST], y[REST])
+        _references[key] = (
+            bits.values(model.weights),
+            bits.values(optimizer.inner_optimizer.variables),
+        )
+    return _references[key]
+
+
 def assert_matches_reference(wrapper, cell, model):
     weights, variables = reference_run(wrapper, cell)
+    actual = (
+        bits.values(model.weights),
+        bits.values(wrappers.innermost(model.optimizer).variables),
+    )
     try:
-        bits.assert_bits_equal(bits.values(model.weights), weights, "weight")
-        bits.assert_bits_equal(
-            bits.values(wrappers.innermost(model.optimizer).variables),
-            variables,
-            "inner optimizer variable",
-        )
+        if claims_kerass_own(wrapper, cell):
+            own_weights, own_variables = kerass_own_run(wrapper, cell)
+            bits.assert_bits_equal(actual[0], own_weights, "weight")
+            bits.assert_bits_equal(
+                actual[1], own_variables, "inner optimizer variable"
+            )
+            assert_close(actual[0] + actual[1], weights + variables)
+        else:
+            bits.assert_bits_equal(actual[0], weights, "weight")
+            bits.assert_bits_equal(
+                actual[1], variables, "inner optimizer variable"
+            )
     except AssertionError as error:
+        reference = f"{wrapper.reference.__name__} alone"
+        if claims_kerass_own(wrapper, cell):
+            reference = (
+                f"Keras's LossScaleOptimizer({wrapper.reference.__name__}) "
+                f"or not within {BARE_ATOL} of {reference}"
+            )
         raise known_failures.ReferenceMismatch(
-            f"{cell.id} differs from {wrapper.reference.__name__} alone: "
-            f"{error}"
+            f"{cell.id} differs from {reference}: {error}"
         ) from None
+
+
+def assert_close(actual, expected):
+    """Within `BARE_ATOL` of the plain optimizer's run (floats; the rest,
+    `iterations`, equal)."""
+    assert len(actual) == len(expected)
+    for a, b in zip(actual, expected):
+        if np.issubdtype(a.dtype, np.floating):
+            np.testing.assert_allclose(a, b, rtol=0, atol=BARE_ATOL)
+        else:
+            np.testing.assert_array_equal(a, b)
 
 
 def check_refusal(refusal):
