@@ -116,8 +116,8 @@ class _Update:
         text = text.compile().as_text()
         sizes = [int(np.prod(g.shape)) for g in self.grads]
         largest = sizes.index(max(sizes))
-        first = len(self.trainable) + len(self.values)
-        (self.passes,) = passes.gradient_passes(text, [first + largest])
+        (number,) = passes.named_parameters(text, [f"grads[{largest}]"])
+        (self.passes,) = passes.gradient_passes(text, [number])
 
         def run():
             self.trainable, self.values = jitted(

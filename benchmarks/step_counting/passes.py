@@ -148,6 +148,34 @@ def _derived(read, tags, operands, shape, shapes, sizes):
     return gradient
 
 
+def named_parameters(text: str, names) -> list:
+    """The ENTRY parameter numbers of the arguments JAX named `names` (its
+    `op_name` metadata: `"g[0]"` for the first leaf of argument `g`).
+    JAX passes large constants a function closes over (kmp's code
+    tables) as parameters before the function's own arguments, so an
+    argument's number is not its place in the call.
+
+    >>> text = '''
+    ... ENTRY %main (a: u8[9], g: f32[8]) -> f32[8] {
+    ...   %a = u8[9]{0} parameter(0)
+    ...   %g = f32[8]{0} parameter(1), metadata={op_name="g[0]"}
+    ...   ROOT %n = f32[8]{0} negate(%g)
+    ... }'''
+    >>> named_parameters(text, ["g[0]"])
+    [1]
+
+    Raises:
+        ValueError: a name is not one of the ENTRY computation's.
+    """
+    entry = text[text.index("ENTRY") :]
+    pattern = r'parameter\((\d+)\)[^\n]*op_name="([^"]+)"'
+    found = {name: int(n) for n, name in re.findall(pattern, entry)}
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise ValueError(f"No ENTRY parameters named {missing}.")
+    return [found[name] for name in names]
+
+
 def gradient_passes(text: str, parameters) -> list:
     """The passes over each gradient (see the module docstring), one count
     per ENTRY parameter number in `parameters`, in their order.

@@ -2,22 +2,23 @@
 another.
 
 With `slot_dtype="8bit"` (or `"4bit"`, `"float8"`),
-`kmp.LowPrecisionOptimizer` runs a variable's
-update in float32 on its dequantized slots: whole, the float32 temporaries
-of one 4096x4096 kernel's Adam step (its moments read and written, the
-weights, the gradient, the codes' intermediates) are several times the
-state the 8 bits save. So a variable of more than `PART_ELEMENTS` elements
-whose slots are quantized is updated in parts of `PART_ELEMENTS` (a whole
-number of blocks): each part reads its slice of the weights, the
-compensation and the slots' codes and scales, and writes it back, before
-the next part starts, so the temporaries are those of one part (about
-4 MB each). So is a large variable whose weights or plain slots are 16-bit
-(bfloat16 weights, `slot_dtype="bfloat16"`, or slots that follow their
-bfloat16 variable): its update in float32, whole, would make float32
-temporaries of the whole variable, which peak above float32 Adam's
-(`benchmarks/eight_bit.py --embedding-memory`); each part reads and
-writes its slice of the plain slots (`plain_views`), rounded to their
-dtype at each assignment, as a whole update rounds them.
+`kmp.LowPrecisionOptimizer` runs a variable's update in float32 on its
+dequantized slots: whole, the float32 temporaries of one 4096x4096
+kernel's Adam step (its moments read and written, the weights, the
+gradient, the codes' intermediates) are several times the state the 8
+bits save. So a variable of more than a part's elements whose slots are
+quantized is updated in parts (`part_elements()`: 2**18 elements on a
+CPU, 2**20 on a GPU or TPU; a whole number of blocks): each part reads
+its slice of the weights, the compensation and the slots' codes and
+scales, and writes it back, before the next part starts, so the
+temporaries are those of one part (1 MB each on a CPU, 4 MB on an
+accelerator). So is a large variable whose weights or plain slots are
+16-bit (bfloat16 weights, `slot_dtype="bfloat16"`, or slots that follow
+their bfloat16 variable): its update in float32, whole, would make
+float32 temporaries of the whole variable, which peak above float32
+Adam's (`benchmarks/eight_bit.py --embedding-memory`); each part reads
+and writes its slice of the plain slots (`plain_views`), rounded to
+their dtype at each assignment, as a whole update rounds them.
 
 How the parts run is the backend's (its module's `update_in_parts`):
 
@@ -34,9 +35,10 @@ How the parts run is the backend's (its module's `update_in_parts`):
 The same arithmetic as updating it whole (the updates of Adam, AdamW, Lion
 and SGD are elementwise, quantization block-wise): on torch bit for bit,
 stochastic rounding included (its bits come from each element's place in
-the variable); under XLA within a float32 rounding (it may fuse a multiply
-and an add otherwise for a part's shape), and a part's stochastic-rounding
-bits come from the variable's seed with the part's first index folded in.
+the variable, as on JAX); under XLA within a float32 rounding (it may fuse
+a multiply and an add otherwise for a part's shape), and on TensorFlow a
+part's stochastic-rounding bits come from the variable's seed with the
+part's first index folded in.
 Variables with a constraint (which reads the whole variable) are updated
 whole, and so are variables sharded by a layout (`keras.distribution`),
 or whose state is (`shard_state=True`): each device updates its own shard,
@@ -45,14 +47,37 @@ variable or its state onto every device.
 """
 
 import contextlib
+import functools
 import math
 
+import keras
 from keras import ops
 
+from kmp.core import hardware
 from kmp.core.low_bit import quantization
 
-# Elements per part: 4 MB of float32.
-PART_ELEMENTS = 2**20
+# Elements per part on a CPU: 1 MB of float32, so that a part's float32
+# temporaries stay in the core's cache (on this project's 2-core CPU the
+# 8-bit update of `benchmarks/low_bit_update.py`'s kernels took 3.8x
+# float32 AdamW's in parts of 2**20, 2.7x in parts of 2**18, and XLA's
+# temporaries fell from 74 MB to 7 MB).
+PART_ELEMENTS = 2**18
+# On a GPU or TPU: 4 MB of float32, a quarter of the kernels to launch.
+ACCELERATOR_PART_ELEMENTS = 2**20
+
+
+@functools.lru_cache(maxsize=None)
+def _on_accelerator(backend_name: str) -> bool:
+    del backend_name  # The cache's key: the backend may change in a process.
+    return bool(hardware.list_gpus() or hardware.count_tpus())
+
+
+def part_elements() -> int:
+    """Elements per part here: `PART_ELEMENTS` on a CPU,
+    `ACCELERATOR_PART_ELEMENTS` where the backend sees a GPU or TPU."""
+    if _on_accelerator(keras.backend.backend()):
+        return ACCELERATOR_PART_ELEMENTS
+    return PART_ELEMENTS
 
 
 def bounds(optimizer, index, update_in_parts):
@@ -71,7 +96,7 @@ def bounds(optimizer, index, update_in_parts):
         return None
     size = math.prod(tuple(variable.shape))
     block = located[0][1].block_size if located else 1
-    step = max(1, PART_ELEMENTS // block) * block
+    step = max(1, part_elements() // block) * block
     if size <= step:
         return None
     return [(start, min(start + step, size)) for start in range(0, size, step)]
@@ -239,6 +264,7 @@ def write_back(pairs, nearest, part):
 
 
 __all__ = [
+    "ACCELERATOR_PART_ELEMENTS",
     "PART_ELEMENTS",
     "Part",
     "SLOT_LISTS",
@@ -246,6 +272,7 @@ __all__ = [
     "in_place_of",
     "is_sharded",
     "locate_plain",
+    "part_elements",
     "plain_views",
     "slot_extent",
     "write_back",

@@ -73,7 +73,13 @@ def plain_part_view(slot, part):
 
 
 def update_in_parts(
-    optimizer, gradient, learning_rate, variable, index, bounds
+    optimizer,
+    gradient,
+    learning_rate,
+    variable,
+    index,
+    bounds,
+    sixteen_bit_as_bits=True,
 ):
     """Variable `index`'s update in parts (`kmp.core.low_bit.parts`; JAX and
     TensorFlow): a loop (`ops.fori_loop`) over the whole parts, carrying
@@ -103,7 +109,11 @@ def update_in_parts(
     keys = {id(t): n for n, t in enumerate(targets)}
     keys[id(model_variable)] = 0  # On TensorFlow `variable` may differ.
     gradient_dtype = rounding.dtype_name(gradient.dtype)
-    gradient_bits = "uint16" if rounding.is_low(gradient_dtype) else None
+
+    def as_bits(dtype):
+        return sixteen_bit_as_bits and rounding.is_low(dtype)
+
+    gradient_bits = "uint16" if as_bits(gradient_dtype) else None
     gradient_bits = gradient_bits or gradient_dtype
     flat_gradient = ops.view(ops.reshape(gradient, (-1,)), gradient_bits)
     length = bounds[0][1] - bounds[0][0]
@@ -112,7 +122,7 @@ def update_in_parts(
     # 16-bit floats are carried as their bits: XLA's CPU backend widens a
     # bfloat16 array's update to float32 and back, whole, at every part.
     dtypes = [rounding.dtype_name(t.dtype) for t in targets]
-    carried = ["uint16" if rounding.is_low(d) else d for d in dtypes]
+    carried = ["uint16" if as_bits(d) else d for d in dtypes]
 
     def extent(n, start, size):
         slot, which = extents[n]

@@ -1,4 +1,5 @@
-"""A large variable's update in parts copies no whole array.
+"""A large variable's update in parts copies no whole array, and holds a
+part's temporaries, not the variable's.
 
 `LowPrecisionOptimizer` updates a variable of more than
 `kmp.core.low_bit.parts.PART_ELEMENTS` elements with quantized state in parts,
@@ -10,9 +11,11 @@ write, and XLA copied each moment's whole codes and scales at every part: a
 4096x4096 kernel's update copied 16 MB four times per part, 16 parts a step. The
 loop now also carries each part's own slice of the codes and scales, which the
 part decodes. Here the optimized HLO of a jitted, donating update of one
-2048x2048 bfloat16 kernel (4 parts) is compiled, nothing run, and its copies of
-arrays larger than a part are counted (`benchmarks/step_counting/compiled.py`'s
-`hlo_large_copies`): none, in the loop or outside it.
+2048x2048 bfloat16 kernel (16 parts) is compiled, nothing run, and its
+copies of arrays larger than a part are counted
+(`benchmarks/step_counting/compiled.py`'s `hlo_large_copies`): none, in the
+loop or outside it. XLA's buffer assignment (`memory_analysis()`) gives its
+temporaries: those of a part, a few MB, where the kernel in float32 is 16 MB.
 """
 
 import keras
@@ -25,11 +28,11 @@ from tests.support import step_counting as step_counting_loader
 
 pytestmark = pytest.mark.jax
 
-UNITS = 2048  # 4 parts of PART_ELEMENTS.
+UNITS = 2048  # 16 parts of PART_ELEMENTS.
 
 
-def large_copies(slot_dtype, rounding):
-    """`hlo_large_copies` of the compiled update of one large kernel."""
+def compiled_update(slot_dtype, rounding):
+    """The compiled, donating update of one large bfloat16 kernel."""
     import jax
 
     with kmp.policy_scope("bfloat16"):
@@ -50,7 +53,7 @@ def large_copies(slot_dtype, rounding):
     def update(trainable, values, grads):
         return optimizer.stateless_apply(values, grads, trainable)
 
-    text = (
+    return (
         jax.jit(update, donate_argnums=(0, 1))
         .lower(
             [w.value for w in weights],
@@ -58,8 +61,12 @@ def large_copies(slot_dtype, rounding):
             grads,
         )
         .compile()
-        .as_text()
     )
+
+
+def large_copies(slot_dtype, rounding):
+    """`hlo_large_copies` of the compiled update of one large kernel."""
+    text = compiled_update(slot_dtype, rounding).as_text()
     compiled = step_counting_loader.load().compiled
     return compiled.hlo_large_copies(text, parts.PART_ELEMENTS + 1)
 
@@ -70,6 +77,47 @@ def large_copies(slot_dtype, rounding):
 )
 def test_no_whole_array_is_copied(slot_dtype, rounding):
     assert large_copies(slot_dtype, rounding) == {"in_loops": 0, "outside": 0}
+
+
+@pytest.mark.parametrize("slot_dtype", ["8bit", "4bit", "float8"])
+@pytest.mark.parametrize("rounding", ["kahan", "stochastic"])
+def test_the_step_holds_a_parts_temporaries(slot_dtype, rounding):
+    # A part's float32 arrays (its weights, moments, gradient: 1 MB each)
+    # and the codes' intermediates; the kernel itself in float32 is 16 MB.
+    # (Before the parts were 2**18 elements and each slot's new value was
+    # kept once for its readers: 50 MB for a 4096x2048 kernel.)
+    # Before JAX 0.12 the bfloat16 gradient, weights and compensation are
+    # carried as their bits, a copy of each (`SIXTEEN_BIT_AS_BITS`).
+    from kmp.core.jax import low_precision as jax_low_precision
+
+    analysis = compiled_update(slot_dtype, rounding).memory_analysis()
+    temporaries = analysis.temp_size_in_bytes
+    if jax_low_precision.SIXTEEN_BIT_AS_BITS:
+        temporaries -= 3 * 2 * UNITS * UNITS
+    part_bytes = 4 * parts.PART_ELEMENTS
+    assert temporaries <= 8 * part_bytes
+    assert temporaries < 4 * UNITS * UNITS / 2
+
+
+def test_sixteen_bit_arrays_are_carried_as_they_are_where_xla_allows():
+    # Carried as their bits, the weights and their compensation cost a
+    # whole copy in and out (`bitcast-convert`), which JAX 0.12's XLA does
+    # not need: it updates a bfloat16 array in place in the loop.
+    from kmp.core.jax import low_precision as jax_low_precision
+
+    text = compiled_update("8bit", "kahan").as_text()
+    whole = f"u16[{UNITS * UNITS}]"
+    converts = [
+        line
+        for line in text.splitlines()
+        if "bitcast-convert" in line
+        and line.strip().startswith("%")
+        and whole in line.split("=")[1][:30]
+    ]
+    if jax_low_precision.SIXTEEN_BIT_AS_BITS:
+        assert converts  # JAX before 0.12: as bits.
+    else:
+        assert not converts
 
 
 def test_large_copies_are_told_apart_inside_loops():

@@ -258,7 +258,7 @@ def test_low_bit_state_reads_each_quantized_gradient_four_times(slot_dtype):
             .compile()
             .as_text()
         )
-        first = len(trainable) + len(values)
-        counts[name] = passes.gradient_passes(text, [first, first + 1])
+        gradients = passes.named_parameters(text, ["grads[0]", "grads[1]"])
+        counts[name] = passes.gradient_passes(text, gradients)
     assert counts["adam"] == [2, 2]
     assert counts[slot_dtype] == [4, 2]

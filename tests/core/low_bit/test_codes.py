@@ -164,3 +164,76 @@ def test_torchs_forms_find_the_shared_forms_codes(name):
         want = ops.convert_to_numpy(codes.nearest(tensor, signed, code))
         table = code.table(signed).astype(np.float64)
         np.testing.assert_array_equal(table[got], table[want])
+
+
+def _midpoint_sweep(signed):
+    """Values at and one float32 step either side of every midpoint
+    between the 8-bit code's values, and a spread over nine decades."""
+    table = codes.dynamic_code(signed).astype(np.float64)
+    midpoints = ((table[1:] + table[:-1]) / 2).astype(np.float32)
+    near = [
+        midpoints,
+        np.nextafter(midpoints, np.float32(2)),
+        np.nextafter(midpoints, np.float32(-2)),
+    ]
+    value = np.concatenate([*near, _spread(100_000, 9)])
+    return value if signed else np.abs(value)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_8bit_look_up_finds_the_nearest_code(signed):
+    # The look-up (the 8-bit code's form on every backend) against a
+    # search of the table: the nearest code, or on a midpoint one as near;
+    # and the elementwise form's code but where two are as near.
+    value = _midpoint_sweep(signed)
+    tensor = ops.convert_to_tensor(value)
+    got = ops.convert_to_numpy(codes.nearest_lookup(tensor, signed))
+    table = codes.dynamic_code(signed).astype(np.float64)
+    clipped = np.clip(value, -1.0, 1.0).astype(np.float64)
+    want = _numpy_nearest(clipped.astype(np.float32), table)
+    assert got.min() >= 0 and got.max() <= 255
+    np.testing.assert_allclose(
+        np.abs(clipped - table[got]), np.abs(clipped - table[want]), atol=1e-7
+    )
+    elementwise = ops.convert_to_numpy(codes.nearest_dynamic(tensor, signed))
+    tied = (
+        np.abs(
+            np.abs(clipped - table[got]) - np.abs(clipped - table[elementwise])
+        )
+        <= 1e-7
+    )
+    assert np.all((got == elementwise) | tied)
+    assert codes.CODES["8bit"].find is codes.nearest_lookup
+
+
+def test_the_look_up_tables_end_at_1():
+    for signed in (True, False):
+        candidates, splits = codes.lookup_tables(signed)
+        assert candidates.dtype == np.uint8 and splits.dtype == np.float32
+        last = int(np.float32(1.0).view(np.int32)) >> codes.DROPPED_BITS
+        assert len(candidates) == len(splits) == last + 1
+        assert candidates[-1] == 255  # 1.0's code, the last.
+
+
+def test_float8_by_cast_writes_the_arithmetic_forms_bytes():
+    # Every float8 value and the midpoints between neighbours (ties go to
+    # the even byte) and a float32 step either side, -0.0 and values past
+    # 1: the cast's bytes are `nearest_float8`'s, bit for bit.
+    table = codes.float8_code()
+    finite = np.sort(table[np.isfinite(table)]).astype(np.float64)
+    midpoints = ((finite[1:] + finite[:-1]) / 2).astype(np.float32)
+    value = np.concatenate(
+        [
+            finite.astype(np.float32),
+            midpoints,
+            np.nextafter(midpoints, np.float32(2)),
+            np.nextafter(midpoints, np.float32(-2)),
+            np.float32([-0.0, 0.0, 1.5, -3.0, 1e-30, -1e-30]),
+            _spread(50_000, 11),
+        ]
+    )
+    tensor = ops.convert_to_tensor(value)
+    got = ops.convert_to_numpy(codes.nearest_float8_cast(tensor))
+    want = ops.convert_to_numpy(codes.nearest_float8(tensor))
+    np.testing.assert_array_equal(got, want)
+    assert codes.CODES["float8"].find is codes.nearest_float8_cast
