@@ -16,8 +16,9 @@ variable's dtype, rounded by one of:
 * `"stochastic"`: rounds up with probability equal to the distance from the
   lower neighbour (unbiased on average), from a stateless random stream keyed
   by (seed, step, variable index): reproducible, identical on every replica
-  and device, resumable (the stream is the backend's: TensorFlow's Philox,
-  `jax.random`, a counter-based hash on torch);
+  and device, resumable (the stream is the backend's: TensorFlow's Philox;
+  on JAX and torch the same counter-based hash, so the same seed rounds
+  alike on both);
 * `"nearest"`: rounds to nearest once, after the float32 update.
 
 By default the inner optimizer's slots (Adam's moments, momentum) are in

@@ -79,6 +79,13 @@ EVERY_BACKEND = {
         " --results {tmp}/results/low_bit_update.json".split(),
         "The update alone",
     ),
+    "low_bit_memory.py": (
+        ["--quick", "--models", "mlp"]
+        + ["--configurations", "floor,bf16 AdamW,8bit"]
+        + "--output {tmp}/low_bit_memory.json"
+        " --results {tmp}/results/low_bit_memory.json".split(),
+        "beyond the floor",
+    ),
     "step_costs.py": (
         "--sizes 4 --steps 1 --time-steps 2 --time-repeats 1 --loops loop"
         " --output {tmp}/step_costs.json".split(),
@@ -90,11 +97,13 @@ EVERY_BACKEND = {
 OUTPUTS = {
     "eight_bit.py": "eight_bit.json",
     "low_bit_update.py": "low_bit_update.json",
+    "low_bit_memory.py": "low_bit_memory.json",
     "step_costs.py": "step_costs.json",
 }
 EXPECTED = {
     "eight_bit.py": {"float32", "bf16 + 4-bit state"},
     "low_bit_update.py": {"float32", "8bit", "4bit"},
+    "low_bit_memory.py": {"floor", "bf16 AdamW", "8bit"},
     "step_costs.py": {"plain", "kmp"},
 }
 
@@ -133,6 +142,7 @@ RESULTS = {
     "jax_step_memory.py": "jax_step_memory.json",
     "loss_scale_overhead.py": "loss_scale_overhead.json",
     "low_bit_update.py": "results/low_bit_update.json",
+    "low_bit_memory.py": "results/low_bit_memory.json",
     "memory.py": "memory.json",
     "memory_breakdown.py": "memory_breakdown.json",
     "step_costs_summary.py": "step_costs.json",

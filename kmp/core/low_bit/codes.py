@@ -31,7 +31,6 @@ import dataclasses
 import functools
 from typing import Callable
 
-import keras
 import numpy as np
 from keras import ops
 
@@ -282,11 +281,11 @@ def nearest_float8_cast(normalized, signed: bool = True):
     """`nearest_float8` by the backend's own cast to float8_e4m3fn (round
     to nearest-even), read as its bytes: the same bytes, in three
     operations where the arithmetic form takes some fifty. (-0.0 is
-    written as +0.0's byte, as `nearest_float8` writes it.) TensorFlow
-    cannot read a float8 tensor's bytes (its bitcast refuses float8):
-    there it is `nearest_float8`, which its XLA fuses."""
-    if keras.backend.backend() == "tensorflow":
-        return nearest_float8(normalized, signed)
+    written as +0.0's byte, as `nearest_float8` writes it.) JAX's form
+    (`kmp.core.jax.low_precision.nearest_code`); TensorFlow cannot read a
+    float8 tensor's bytes (its bitcast refuses float8), and torch has its
+    own (`kmp.core.torch.codes.float8_bytes`)."""
+    del signed
     y = ops.clip(normalized, -1.0, 1.0) * FLOAT8_MAX
     y = ops.where(y == 0.0, ops.zeros_like(y), y)
     return ops.cast(ops.view(ops.cast(y, "float8_e4m3fn"), "uint8"), "int32")
@@ -327,7 +326,7 @@ CODES = {
     for code in (
         Code("8bit", 8, 256, dynamic_code, nearest_lookup),
         Code("4bit", 4, 128, log_code, nearest_log),
-        Code("float8", 8, 256, float8_code, nearest_float8_cast),
+        Code("float8", 8, 256, float8_code, nearest_float8),
     )
 }
 

@@ -37,6 +37,7 @@ float32 view of them (`kmp.core.low_bit.rounding.DequantizedView`,
 
 import dataclasses
 import math
+import sys
 
 import numpy as np
 from keras import ops
@@ -47,6 +48,7 @@ BLOCK_SIZE = 256  # The 8-bit code's elements per scale (torchao's).
 MIN_8BIT_SIZE = 4096  # Smaller variables keep their slots (bitsandbytes').
 CODE_DTYPE = "uint8"
 SCALE_DTYPE = "float32"
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 # Slot names (Keras's `add_variable_from_reference` names) whose values
 # are never negative: kept as the root on the unsigned code.
@@ -59,24 +61,45 @@ def blocks(size: int, block_size: int) -> int:
 
 
 def pack(codes, code):
-    """`codes` (int32, an even count on the last axis for 4 bits) as
-    bytes: two neighbours on the last axis to a byte for 4 bits, the first
-    in the high half."""
+    """`codes` (int32 or uint8, an even count on the last axis for 4 bits)
+    as bytes: two neighbours on the last axis to a byte for 4 bits, the
+    first in the high half.
+
+    The pairs are read as one 16-bit word each (`ops.view` of the codes'
+    bytes as int16, which every backend can view and shift; the first of
+    two is the word's low byte on a little-endian machine): contiguous
+    arithmetic, which XLA vectorizes, where taking every other element
+    did not (TensorFlow's 4-bit update took 3.5x float32 AdamW's).
+    """
     if code.bits == 4:
-        shape = tuple(codes.shape)
-        pairs = ops.reshape(codes, (*shape[:-1], shape[-1] // 2, 2))
-        codes = pairs[..., 0] * 16 + pairs[..., 1]
+        if _LITTLE_ENDIAN:
+            pairs = ops.view(ops.cast(codes, CODE_DTYPE), "int16")
+            low = ops.bitwise_and(pairs, 0xFF)
+            high = ops.bitwise_and(ops.right_shift(pairs, 8), 0xFF)
+            codes = ops.bitwise_or(ops.left_shift(low, 4), high)
+        else:
+            shape = tuple(codes.shape)
+            pairs = ops.reshape(codes, (*shape[:-1], shape[-1] // 2, 2))
+            codes = pairs[..., 0] * 16 + pairs[..., 1]
     return ops.cast(codes, CODE_DTYPE)
 
 
 def unpack(data, code):
-    """The int32 codes that bytes `data` hold (`pack`'s inverse)."""
-    data = ops.cast(data, "int32")
+    """The int32 codes that bytes `data` hold (`pack`'s inverse): for 4
+    bits, each byte made a 16-bit word whose bytes are its two codes."""
     if code.bits == 4:
-        shape = tuple(data.shape)
-        pairs = ops.stack([data // 16, data % 16], axis=-1)
-        data = ops.reshape(pairs, (*shape[:-1], shape[-1] * 2))
-    return data
+        if _LITTLE_ENDIAN:
+            words = ops.cast(data, "int32")
+            first = ops.right_shift(words, 4)
+            second = ops.left_shift(ops.bitwise_and(words, 15), 8)
+            pairs = ops.cast(ops.bitwise_or(first, second), "int16")
+            data = ops.view(pairs, CODE_DTYPE)
+        else:
+            data = ops.cast(data, "int32")
+            shape = tuple(data.shape)
+            pairs = ops.stack([data // 16, data % 16], axis=-1)
+            data = ops.reshape(pairs, (*shape[:-1], shape[-1] * 2))
+    return ops.cast(data, "int32")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,8 +9,9 @@ assigned. `kmp.core.low_precision.LowPrecisionOptimizer` uses both.
 
 The arithmetic is written once, in `keras.ops`. What differs per backend is
 the random stream and how a seed is stored (`kmp.core.tensorflow.rounding`:
-TensorFlow's stateless Philox; `kmp.core.jax.rounding`: `jax.random`, which
-has no int64 without x64; `kmp.core.torch.rounding`: a counter-based hash;
+TensorFlow's stateless Philox; `kmp.core.jax.rounding` and
+`kmp.core.torch.rounding`: the same counter-based hash, its seed two uint32
+words on JAX, which has no int64 without x64;
 `kmp.core.low_precision.streams()` is this backend's), and on
 TensorFlow the view itself, whose optimizers assign to the `tf.Variable`
 inside a Keras variable.

@@ -80,6 +80,7 @@ def update_in_parts(
     index,
     bounds,
     sixteen_bit_as_bits=True,
+    gradient_dtype=None,
 ):
     """Variable `index`'s update in parts (`kmp.core.low_bit.parts`; JAX and
     TensorFlow): a loop (`ops.fori_loop`) over the whole parts, carrying
@@ -108,14 +109,19 @@ def update_in_parts(
     targets += [slot for _, slot in optimizer._plain_slots.get(index, ())]
     keys = {id(t): n for n, t in enumerate(targets)}
     keys[id(model_variable)] = 0  # On TensorFlow `variable` may differ.
-    gradient_dtype = rounding.dtype_name(gradient.dtype)
 
     def as_bits(dtype):
         return sixteen_bit_as_bits and rounding.is_low(dtype)
 
-    gradient_bits = "uint16" if as_bits(gradient_dtype) else None
-    gradient_bits = gradient_bits or gradient_dtype
-    flat_gradient = ops.view(ops.reshape(gradient, (-1,)), gradient_bits)
+    if gradient_dtype is None:
+        gradient_dtype = rounding.dtype_name(gradient.dtype)
+        gradient_bits = "uint16" if as_bits(gradient_dtype) else None
+        gradient_bits = gradient_bits or gradient_dtype
+        flat_gradient = ops.view(ops.reshape(gradient, (-1,)), gradient_bits)
+    else:
+        gradient_dtype = rounding.dtype_name(gradient_dtype)
+        gradient_bits = "uint16"
+        flat_gradient = ops.reshape(gradient, (-1,))
     length = bounds[0][1] - bounds[0][0]
     whole = [b for b in bounds if b[1] - b[0] == length]
 

@@ -17,6 +17,7 @@ import functools
 from kmp.core import backend
 from kmp.core import borrow
 from kmp.core.low_bit import codes
+from kmp.core.low_bit import parts
 from kmp.core.low_bit import rounding
 from kmp.core.low_bit import shared_step as shared
 from kmp.core.tensorflow import rounding as tf_rounding
@@ -61,17 +62,49 @@ def update_variable(optimizer, gradient, learning_rate, variable, index):
     if not low or size < COMPILE_MIN_ELEMENTS:
         optimizer._update_one(gradient, learning_rate, variable, index)
         return
+    dtype = None
+    if parts.bounds(optimizer, index, update_in_parts) is not None:
+        gradient = dense_gradient(gradient, variable)
+        if rounding.is_low(gradient.dtype):
+            # Its bits, viewed here (free); inside XLA the view of a
+            # 16-bit float array is a copy, and a 16-bit gradient sliced
+            # in the loop was made float32 whole.
+            dtype = gradient.dtype
+            gradient = tf.bitcast(gradient, tf.uint16)
     key = (index, id(variable))
     if key not in optimizer._compiled:
         optimizer._compiled[key] = tf.function(
             functools.partial(
-                optimizer._update_one, variable=variable, index=index
+                _compiled_update, optimizer, variable=variable, index=index
             ),
             jit_compile=True,
             autograph=False,
         )
     optimizer._compiled[key](
-        gradient, tf.cast(tf.convert_to_tensor(learning_rate), tf.float32)
+        gradient,
+        tf.cast(tf.convert_to_tensor(learning_rate), tf.float32),
+        dtype=dtype,
+    )
+
+
+def _compiled_update(
+    optimizer, gradient, learning_rate, variable, index, dtype=None
+):
+    """A large variable's update, compiled: in parts from its gradient's
+    bits (`dtype`: the gradient's), or as `_update_one`."""
+    if dtype is None:
+        optimizer._update_one(gradient, learning_rate, variable, index)
+        return
+    bounds = parts.bounds(optimizer, index, update_in_parts)
+    shared.update_in_parts(
+        optimizer,
+        gradient,
+        learning_rate,
+        variable,
+        index,
+        bounds,
+        sixteen_bit_as_bits=False,
+        gradient_dtype=dtype,
     )
 
 
