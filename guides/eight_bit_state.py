@@ -237,16 +237,26 @@ print("float16 recipe:", type(float16_recipe.inner_optimizer).__name__)
 # * When memory is not the limit. Reading and writing the codes adds work
 #   to every step: on this CPU the step took 1.2 to 4.2 times float32
 #   Adam's in `benchmarks/eight_bit.py` (the most on torch, which runs
-#   each operation of the update on its own); on a GPU the update is a
-#   smaller part of a step, but measure.
+#   each operation of the update on its own), and the update alone about
+#   3x float32 AdamW's on JAX 0.12 (`benchmarks/low_bit_update.py`; 6x on
+#   JAX 0.10, whose XLA copies a bfloat16 array carried through a loop);
+#   on a GPU the update is a smaller part of a step, but measure.
 # * When one variable is very large against the rest, know what the peak
-#   holds. Its update runs in float32, so kmp updates a variable of over
-#   a million elements in parts of a million, one after another, and only
-#   a part's float32 temporaries live at once: the benchmark's MLP with
-#   4096x4096 matrices peaks at 704 MB on JAX, 403 MB on torch and 833 MB
-#   on TensorFlow against float32 Adam's 758, 1,146 and 904 MB. What the
-#   bytes table saves between steps, the peak saves only in part: the
-#   gradients, activations and the framework's own buffers stay.
+#   holds. Its update runs in float32, so kmp updates a large variable in
+#   parts (2**18 elements on a CPU, 2**20 on a GPU or TPU), one after
+#   another, and only a part's float32 temporaries live at once.
+#   `benchmarks/low_bit_memory.py` measures the step's peak against the
+#   floor (the same bfloat16 weights under SGD, which keeps no state): on
+#   the benchmark's 42M MLP with 8-bit state and stochastic rounding the
+#   step holds 1.9x its state beyond the floor on JAX, 2.1x on torch and
+#   5.1x on TensorFlow (whose compiled updates keep their own buffers),
+#   and peaks below Keras's bfloat16 AdamW on JAX and torch (0.91x,
+#   0.63x), above it on TensorFlow (1.41x). With Kahan summation, the
+#   default, the state holds a bfloat16 compensation per weight too, as
+#   large as the weights: choose `rounding="stochastic"` where the last
+#   bytes count. What the bytes table saves between steps, the peak saves
+#   only in part: the gradients, activations and the framework's own
+#   buffers stay.
 # * For small models: their state is not what fills the memory, and most
 #   of their variables are below `min_8bit_size` anyway.
 # * When `kmp.audit` names layers whose update 8 bits change by more than
