@@ -251,7 +251,7 @@ print("float16 recipe:", type(float16_recipe.inner_optimizer).__name__)
 #   step holds 1.9x its state beyond the floor on JAX, 2.1x on torch and
 #   5.1x on TensorFlow (whose compiled updates keep their own buffers),
 #   and peaks below Keras's bfloat16 AdamW on JAX and torch (0.91x,
-#   0.63x), above it on TensorFlow (1.41x). With Kahan summation, the
+#   0.63x), above it on TensorFlow (1.40x). With Kahan summation, the
 #   default, the state holds a bfloat16 compensation per weight too, as
 #   large as the weights: choose `rounding="stochastic"` where the last
 #   bytes count. What the bytes table saves between steps, the peak saves
