@@ -160,33 +160,50 @@ def code_tables(signed: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def lookup_tables(signed: bool):
-    """`code_tables(signed)` cut to the keys of values in [0, 1] (those
-    `nearest_lookup` reads), the candidates as bytes: 32,513 keys, 163 KB
-    (the whole tables: 512 KB), small enough to stay in a CPU's cache."""
+def lookup_table(signed: bool) -> np.ndarray:
+    """`code_tables(signed)` for the keys of values in [0, 1] (those
+    `nearest_lookup` reads) as one int32 per key: the candidate code
+    times 2**16, plus the low `DROPPED_BITS` bits of the split's float32
+    (a split lies in its key's range, so its other bits are the key's;
+    2**15, past any value's low bits, where the key has no split). 32,513
+    keys, 130 KB: one look-up per value, in a table a CPU's cache keeps.
+    """
     candidates, splits = code_tables(signed)
     keys = (int(np.float32(1.0).view(np.int32)) >> DROPPED_BITS) + 1
-    return candidates[:keys].astype(np.uint8), splits[:keys]
+    candidates, splits = candidates[:keys], splits[:keys]
+    low = 2**DROPPED_BITS
+    with np.errstate(invalid="ignore"):
+        bits = splits.view(np.int32).astype(np.int64)
+    same_key = (bits >> DROPPED_BITS) == np.arange(keys)
+    inside = np.isfinite(splits) & same_key
+    # A split rounded up onto the next key's first value: past every value
+    # of this key, as no split.
+    low_bits = np.where(inside, bits & (low - 1), low)
+    return (candidates.astype(np.int64) * 2**16 + low_bits).astype(np.int32)
 
 
 def nearest_lookup(normalized, signed: bool):
     """The 8-bit dynamic code (int32 in [0, 255]) nearest to each value in
     [-1, 1], looked up by the float's top bits: the key's candidate
-    (`code_tables`), plus one where the value is past the key's split;
-    a negative value's code mirrors its magnitude's (254 - code: the
-    signed code is symmetric about 0's, 127, and -1 is not one).
+    (`code_tables`), plus one where the value is past the key's split,
+    compared on the bits below the key (`lookup_table`: for non-negative
+    floats the order of their bits is the order of their values); a
+    negative value's code mirrors its magnitude's (254 - code: the signed
+    code is symmetric about 0's, 127, and -1 is not one).
 
-    About ten operations per element where `nearest_dynamic` takes some
-    eighty; the same code as it, or on a midpoint between two codes
-    (where the two differ by a float32 rounding) the other one, as near.
-    torch's form is the same (`kmp.core.torch.codes.nearest_dynamic`).
+    About ten operations and one look-up per element where
+    `nearest_dynamic` takes some eighty; the same code as it, or on a
+    midpoint between two codes (where the two differ by a float32
+    rounding) the other one, as near. torch's form looks up the same
+    candidates and splits (`kmp.core.torch.codes.nearest_dynamic`).
     """
-    candidates, splits = lookup_tables(signed)
+    table = ops.convert_to_tensor(lookup_table(signed))
     magnitude = ops.minimum(ops.abs(normalized), 1.0)
-    key = ops.right_shift(ops.view(magnitude, "int32"), DROPPED_BITS)
-    code = ops.cast(ops.take(ops.convert_to_tensor(candidates), key), "int32")
-    split = ops.take(ops.convert_to_tensor(splits), key)
-    code = code + ops.cast(magnitude > split, "int32")
+    bits = ops.view(magnitude, "int32")
+    entry = ops.take(table, ops.right_shift(bits, DROPPED_BITS))
+    low = ops.bitwise_and(bits, 2**DROPPED_BITS - 1)
+    split = ops.bitwise_and(entry, 2**16 - 1)
+    code = ops.right_shift(entry, 16) + ops.cast(low > split, "int32")
     if signed:
         mirrored = ops.maximum(254 - code, 0)
         code = ops.where(normalized < 0, mirrored, code)
@@ -346,7 +363,7 @@ __all__ = [
     "dynamic_code",
     "float8_code",
     "log_code",
-    "lookup_tables",
+    "lookup_table",
     "nearest",
     "nearest_dynamic",
     "nearest_float8",

@@ -206,13 +206,39 @@ def test_the_8bit_look_up_finds_the_nearest_code(signed):
     assert codes.CODES["8bit"].find is codes.nearest_lookup
 
 
-def test_the_look_up_tables_end_at_1():
+def test_the_look_up_table_holds_each_keys_candidate_and_split():
+    # One int32 per key of [0, 1]: the candidate above 16 bits, the split's
+    # bits below the key under them (2**15: none), as `code_tables` has
+    # them; and a value just past a split takes the next code.
     for signed in (True, False):
-        candidates, splits = codes.lookup_tables(signed)
-        assert candidates.dtype == np.uint8 and splits.dtype == np.float32
+        table = codes.lookup_table(signed)
+        assert table.dtype == np.int32
+        table = table.astype(np.int64)
+        candidates, splits = codes.code_tables(signed)
         last = int(np.float32(1.0).view(np.int32)) >> codes.DROPPED_BITS
-        assert len(candidates) == len(splits) == last + 1
-        assert candidates[-1] == 255  # 1.0's code, the last.
+        assert len(table) == last + 1
+        np.testing.assert_array_equal(table >> 16, candidates[: last + 1])
+        assert table[-1] >> 16 == 255  # 1.0's code, the last.
+        low = table & 0xFFFF
+        has_split = low < 2**15
+        keys = np.arange(last + 1)
+        rebuilt = (keys[has_split] << codes.DROPPED_BITS) | low[has_split]
+        np.testing.assert_array_equal(
+            rebuilt.astype(np.int32).view(np.float32),
+            splits[: last + 1][has_split],
+        )
+        # No split: none in the key's range, or one rounded onto the next
+        # key's first value (past every value of this key).
+        rest = splits[: last + 1][~has_split]
+        with np.errstate(invalid="ignore"):
+            rest_keys = rest.view(np.int32) >> codes.DROPPED_BITS
+        past = rest_keys > keys[~has_split]
+        assert np.all(~np.isfinite(rest) | past)
+        above = np.nextafter(splits[: last + 1][has_split], np.float32(2))
+        found = ops.convert_to_numpy(
+            codes.nearest_lookup(ops.convert_to_tensor(above), signed)
+        )
+        np.testing.assert_array_equal(found, candidates[keys[has_split]] + 1)
 
 
 @pytest.mark.jax
