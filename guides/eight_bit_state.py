@@ -237,9 +237,10 @@ print("float16 recipe:", type(float16_recipe.inner_optimizer).__name__)
 # * When memory is not the limit. Reading and writing the codes adds work
 #   to every step: on this CPU the step took 1.2 to 4.2 times float32
 #   Adam's in `benchmarks/eight_bit.py` (the most on torch, which runs
-#   each operation of the update on its own), and the update alone about
-#   3x float32 AdamW's on JAX 0.12 (`benchmarks/low_bit_update.py`; 6x on
-#   JAX 0.10, whose XLA copies a bfloat16 array carried through a loop);
+#   each operation of the update on its own), and the update alone 2.8x
+#   (8 bits) to 3.3x (4 bits) float32 AdamW's on JAX 0.12, about 1x on
+#   TensorFlow and torch (`benchmarks/low_bit_update.py`; 6x on JAX 0.10,
+#   whose XLA copies a bfloat16 array carried through a loop);
 #   on a GPU the update is a smaller part of a step, but measure.
 # * When one variable is very large against the rest, know what the peak
 #   holds. Its update runs in float32, so kmp updates a large variable in
