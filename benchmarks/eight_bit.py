@@ -388,21 +388,29 @@ def _peak_bytes() -> int:
     return 0
 
 
+def child_record(script, arguments):
+    """Runs `script` with `arguments` in a process of its own (a memory
+    child) and returns the JSON record its last line prints."""
+    result = subprocess.run(
+        [sys.executable, str(script), *arguments],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr[-3000:])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def measure_memory(quick, configurations=CONFIGURATIONS, model_name="mlp"):
-    records = []
-    for configuration in configurations:
-        result = subprocess.run(
-            [sys.executable, __file__, "--memory-child", configuration]
-            + ["--memory-model", model_name]
+    return [
+        child_record(
+            __file__,
+            ["--memory-child", configuration, "--memory-model", model_name]
             + (["--quick"] if quick else []),
-            capture_output=True,
-            text=True,
-            timeout=900,
         )
-        if result.returncode != 0:
-            raise RuntimeError(result.stderr[-3000:])
-        records.append(json.loads(result.stdout.strip().splitlines()[-1]))
-    return records
+        for configuration in configurations
+    ]
 
 
 def torch_side_by_side(quick, steps=None):

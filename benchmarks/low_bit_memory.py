@@ -42,7 +42,6 @@ performance page's table (each backend's run replaces its own rows).
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -141,17 +140,11 @@ def measure(models, configurations, quick):
     for model_name in models:
         found = {}
         for configuration in configurations:
-            result = subprocess.run(
-                [sys.executable, __file__, "--child", configuration]
-                + ["--models", model_name]
+            record = eight_bit.child_record(
+                __file__,
+                ["--child", configuration, "--models", model_name]
                 + (["--quick"] if quick else []),
-                capture_output=True,
-                text=True,
-                timeout=900,
             )
-            if result.returncode != 0:
-                raise RuntimeError(result.stderr[-3000:])
-            record = json.loads(result.stdout.strip().splitlines()[-1])
             found[configuration] = record
             records.append(record)
         floor = found.get("floor")
