@@ -80,6 +80,7 @@ from kmp.core.low_bit import rounding
 from kmp.core.low_bit import sharded_state
 from kmp.core.low_bit import shared_step as step_shared
 from kmp.core.low_bit import slots as quantized_slots
+from kmp.core.low_bit import update as low_bit_update
 
 # This backend's step (`apply_update`, `update_variable`, `view`) and random
 # stream: the one place `LowPrecisionOptimizer` picks a backend.
@@ -446,79 +447,11 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
 
     def _update_part(self, gradient, learning_rate, variable, index, part=None):
         """Variable `index`'s update, or that of `part` of it (flat: a
-        `kmp.core.low_bit.parts.Part`, whose `write` writes the results)."""
-        inner = self._inner_optimizer
-        model_variable = self._trainable_variables[index]
-        low = rounding.is_low(variable.dtype)
-        compensation = self._compensations[index]
-        dtype = "float32" if low else rounding.dtype_name(variable.dtype)
-        if part is None:
-            view = _steps.view(
-                self, variable, model_variable, compensation, dtype
-            )
-            slot_view, write = _steps.slot_view, self.assign
-            plain_view = None
-        else:
-            view = _steps.part_view(
-                self, variable, model_variable, compensation, dtype, part
-            )
-
-            def slot_view(slot):
-                return _steps.slot_part_view(slot, part)
-
-            def plain_view(slot):
-                return _steps.plain_part_view(slot, part)
-
-            def write(target, value):
-                part.write(target, part.start, value)
-
-        self._decay(view, model_variable, learning_rate)
-        plain = {} if part is None else self._plain_slots
-        with (
-            quantized_slots.views(self._located, index, slot_view) as pairs,
-            parts.plain_views(plain, index, plain_view) as plains,
-        ):
-            type(inner).update_step(inner, gradient, view, learning_rate)
-        if part is None:
-            quantized_slots.write_back(self, pairs, _steps.nearest_code)
-        else:
-            parts.write_back(pairs, _steps.nearest_code, part)
-            parts.write_plain(plains, part)
-        if not view.written:
-            return
-        value = view.value
-        constraint = getattr(model_variable, "constraint", None)
-        if constraint is not None:  # Never in parts (kmp.core.low_bit.parts).
-            value = constraint(value)
-        if not low:
-            write(variable, value)
-        elif self._rounding == "stochastic":
-            seed = self._streams.step_seed(
-                self._seed.value, inner._iterations.value, index
-            )
-            where = None if part is None else part.start
-            noisy = rounding.stochastic_round(
-                value, variable.dtype, seed, self._streams, where
-            )
-            write(variable, noisy)
-        else:
-            rounded = ops.cast(value, variable.dtype)
-            write(variable, rounded)
-            if compensation is not None:
-                write(compensation, value - ops.cast(rounded, "float32"))
-
-    def _decay(self, view, model_variable, learning_rate):
-        """The inner optimizer's weight decay, on the float32 view."""
-        inner = self._inner_optimizer
-        if type(inner)._apply_weight_decay is not _KERAS_WEIGHT_DECAY:
-            # Written for plain variables (Muon): it runs on the view as is.
-            inner._apply_weight_decay([view])
-        elif inner.weight_decay is not None and inner._use_weight_decay(
-            model_variable
-        ):
-            decay = ops.cast(inner.weight_decay, view.dtype)
-            rate = ops.cast(learning_rate, view.dtype)
-            view.assign_sub(view.value * decay * rate)
+        `kmp.core.low_bit.parts.Part`, whose `write` writes the results):
+        `kmp.core.low_bit.update`, with this backend's step."""
+        low_bit_update.update_part(
+            self, _steps, gradient, learning_rate, variable, index, part
+        )
 
     def _inner_var_key(self, variable):
         """The inner optimizer's `_var_key`, which finds a view's slots
@@ -591,9 +524,6 @@ class LowPrecisionOptimizer(keras.optimizers.Optimizer):
         elif shard_state is not False:
             arguments.check_shard_state(shard_state, backend.name(), None)
         return optimizer
-
-
-_KERAS_WEIGHT_DECAY = keras.optimizers.Optimizer._apply_weight_decay
 
 
 def _is_float16(dtype) -> bool:

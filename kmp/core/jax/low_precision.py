@@ -6,7 +6,6 @@ import functools
 
 import jax
 
-from kmp.core.low_bit import codes
 from kmp.core.low_bit import rounding
 from kmp.core.low_bit import shared_step as shared
 
@@ -24,14 +23,11 @@ slot_view = shared.slot_view
 
 
 def nearest_code(normalized, signed, code):
-    """The codes (`kmp.core.low_bit.codes.nearest`; float8 by JAX's own
-    cast, the same bytes), as bytes XLA computes in a loop of their own:
-    fused into the in-place write of a part's codes, which XLA's CPU
-    backend runs on one thread, they took half the 8-bit update's time."""
-    if code.name == "float8":
-        found = codes.nearest_float8_cast(normalized, signed)
-    else:
-        found = shared.nearest_code(normalized, signed, code)
+    """The codes (`kmp.core.low_bit.codes.nearest`), as bytes XLA computes
+    in a loop of their own: fused into the in-place write of a part's
+    codes, which XLA's CPU backend runs on one thread, they took half the
+    8-bit update's time."""
+    found = shared.nearest_code(normalized, signed, code)
     return jax.lax.optimization_barrier(found.astype("uint8"))
 
 

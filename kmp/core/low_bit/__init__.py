@@ -4,6 +4,9 @@
 Top down (each imports only from the ones below it; `lint-imports`,
 setup.cfg):
 
+- `update`: one variable's update, or one part's: the inner optimizer's
+  `update_step` on float32 stand-ins, the slots encoded and the result
+  rounded into the variable (each backend's stand-ins passed in);
 - `shared_step` (what every backend's update shares: the inner
   optimizer's `update_step` routed through float32 views, large variables
   in parts) and `arguments` (the checks of the class's arguments);

@@ -242,13 +242,16 @@ def test_the_look_up_table_holds_each_keys_candidate_and_split():
 
 
 @pytest.mark.jax
-def test_float8_by_cast_writes_the_arithmetic_forms_bytes():
+def test_float8_from_the_floats_bits_is_the_casts_bytes():
     # Every float8 value and the midpoints between neighbours (ties go to
-    # the even byte) and a float32 step either side, -0.0 and values past
-    # 1: the cast's bytes are `nearest_float8`'s, bit for bit.
+    # the even byte) and a float32 step either side, -0.0, values past 1
+    # and float32s of every exponent (one in 4099 of those in [0, 1]):
+    # JAX's cast's bytes are `nearest_float8`'s, bit for bit.
     table = codes.float8_code()
     finite = np.sort(table[np.isfinite(table)]).astype(np.float64)
     midpoints = ((finite[1:] + finite[:-1]) / 2).astype(np.float32)
+    one = int(np.float32(1).view(np.int32))
+    every = np.arange(0, one + 1, 4099, dtype=np.int32).view(np.float32)
     value = np.concatenate(
         [
             finite.astype(np.float32),
@@ -257,6 +260,8 @@ def test_float8_by_cast_writes_the_arithmetic_forms_bytes():
             np.nextafter(midpoints, np.float32(-2)),
             np.float32([-0.0, 0.0, 1.5, -3.0, 1e-30, -1e-30]),
             _spread(50_000, 11),
+            every,
+            -every,
         ]
     )
     tensor = ops.convert_to_tensor(value)
