@@ -159,6 +159,40 @@ def test_lora_the_copy_cannot_take_is_refused_saying_what_works(
     assert "Convert the model before enabling LoRA instead" in message
 
 
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "bfloat16"])
+def test_lora_enabled_on_the_copy_trains_once_compiled_again(policy):
+    # The other order the docs give: convert, then enable LoRA on the
+    # copy, then compile it again (its optimizer was built for the
+    # weights before LoRA), as a Keras model would be.
+    tower = _Tower()
+    copy = kmp.convert(tower, policy)
+    copy.get_layer("query").enable_lora(2)
+    copy.compile(
+        optimizer=kmp.LowPrecisionOptimizer(keras.optimizers.Adam(0.01))
+        if policy == "bfloat16"
+        else keras.optimizers.Adam(0.01),
+        loss="mse",
+    )
+    before = {v.path: _numpy(v) for v in copy.weights}
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 8)), rng.normal(size=(8, 2))
+    copy.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    moved = {
+        v.path
+        for v in copy.weights
+        if not np.array_equal(_numpy(v), before[v.path])
+    }
+    # The frozen kernel stays; LoRA's weights (B from zero, A once B has
+    # moved), the trainable biases and the head train.
+    assert "query/kernel" not in moved
+    assert {"query/lora_kernel_b", "head/kernel"} <= moved
+    assert _paths(copy.get_layer("query").trainable_weights) == [
+        "query/bias",
+        "query/lora_kernel_a",
+        "query/lora_kernel_b",
+    ]
+
+
 # -- Weight-decay exclusions -------------------------------------------------
 
 
