@@ -237,8 +237,10 @@ print("float16 recipe:", type(float16_recipe.inner_optimizer).__name__)
 # * When memory is not the limit. Reading and writing the codes adds work
 #   to every step: on this CPU the step took 1.2 to 4.2 times float32
 #   Adam's in `benchmarks/eight_bit.py` (the most on torch, which runs
-#   each operation of the update on its own), and the update alone 2.8x
-#   (8 bits) to 3.3x (4 bits) float32 AdamW's on JAX 0.12, about 1x on
+#   each operation of the update on its own), and the update alone on
+#   JAX 0.12, on a CPU with AVX2 only, 1.9x (float8, 4 bits) and 4.2x
+#   (8 bits) float32 AdamW's (8 bits: 2.8x on one with AVX-512, whose
+#   gathers, the 8-bit code's look-up, cost less); about 1x on
 #   TensorFlow and torch (`benchmarks/low_bit_update.py`; 6x on JAX 0.10,
 #   whose XLA copies a bfloat16 array carried through a loop);
 #   on a GPU the update is a smaller part of a step, but measure.
@@ -250,7 +252,9 @@ print("float16 recipe:", type(float16_recipe.inner_optimizer).__name__)
 #   floor (the same bfloat16 weights under SGD, which keeps no state): on
 #   the benchmark's 42M MLP with 8-bit state and stochastic rounding the
 #   step holds 1.9x its state beyond the floor on JAX, 2.1x on torch and
-#   5.1x on TensorFlow (whose compiled updates keep their own buffers),
+#   5.1x on TensorFlow (whose XLA copies each bfloat16 array it reads
+#   as bits, and whose process holds memory beside TensorFlow's
+#   allocator),
 #   and peaks below Keras's bfloat16 AdamW on JAX and torch (0.91x,
 #   0.63x), above it on TensorFlow (1.40x). With Kahan summation, the
 #   default, the state holds a bfloat16 compensation per weight too, as
