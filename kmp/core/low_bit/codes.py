@@ -327,21 +327,6 @@ def nearest_float8(normalized, signed: bool = True):
     return ops.where(negative, byte + 128, byte)
 
 
-def nearest_float8_cast(normalized, signed: bool = True):
-    """`nearest_float8` by the backend's own cast to float8_e4m3fn (round
-    to nearest-even), read as its bytes: the same bytes as
-    `nearest_float8` (-0.0 is written as +0.0's byte, as it writes it).
-    The reference its bits are tested against, on JAX: XLA's CPU backend
-    converts to float8 in software, more than twice as slow as
-    `nearest_float8` (TensorFlow cannot read a float8 tensor's bytes: its
-    bitcast refuses float8; torch has its own,
-    `kmp.core.torch.codes.float8_bytes`)."""
-    del signed
-    y = ops.clip(normalized, -1.0, 1.0) * FLOAT8_MAX
-    y = ops.where(y == 0.0, ops.zeros_like(y), y)
-    return ops.cast(ops.view(ops.cast(y, "float8_e4m3fn"), "uint8"), "int32")
-
-
 @dataclasses.dataclass(frozen=True)
 class Code:
     """A code of quantized state: `bits` per element (4: two codes per
@@ -401,7 +386,6 @@ __all__ = [
     "nearest",
     "nearest_dynamic",
     "nearest_float8",
-    "nearest_float8_cast",
     "nearest_in_table",
     "nearest_log",
     "nearest_lookup",
