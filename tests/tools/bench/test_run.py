@@ -87,6 +87,8 @@ def test_every_configuration_trains_on_the_same_batches():
     assert fit["steps"] == custom["steps"] == 100
 
 
+# The budget's arithmetic and its message: the same on every backend.
+@pytest.mark.anybackend
 def test_without_steps_the_budget_decides_them(capsys):
     results = bench.run_benchmark(
         ["float32", "mixed_float16"],
@@ -490,6 +492,8 @@ def test_plot_marks_skipped_steps_on_a_log_scale_axis(tmp_path):
 # --- Statistics in a run ------------------------------------------------------
 
 
+# The bootstrap over the measured blocks: the same on every backend.
+@pytest.mark.anybackend
 def test_every_ratio_comes_with_an_interval():
     results = bench.run_benchmark(
         ["float32", "mixed_float16"],
@@ -538,6 +542,8 @@ def test_a_wide_interval_is_flagged():
     assert rows[1]["speed-up vs float32"] == "2.00 [1.95, 2.10]"
 
 
+# The progress bars' printing: the same on every backend.
+@pytest.mark.anybackend
 def test_progress_into_a_file_prints_each_bar_once(capsys):
     # Not a terminal (pytest captures stdout): as Keras's fit, one line
     # per bar when it is done, not one per step.
