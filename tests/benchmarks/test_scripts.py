@@ -205,7 +205,13 @@ def test_the_diagnostics_readme_lists_every_diagnostic():
 
 
 def _repository_files():
-    return sorted((str(p), p.stat().st_mtime_ns) for p in BENCHMARKS.rglob("*"))
+    """`benchmarks/`'s files and their times, less Python's bytecode caches
+    (written by any test process that imports a benchmark module)."""
+    return sorted(
+        (str(p), p.stat().st_mtime_ns)
+        for p in BENCHMARKS.rglob("*")
+        if "__pycache__" not in p.parts
+    )
 
 
 def _smoke(name, args, expected, tmp_path, extra_env=None):
