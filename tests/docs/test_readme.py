@@ -73,3 +73,15 @@ def test_ci_runs_the_readme_test_command():
     assert command, "no PYTEST=(...) line in .ci/run"
     assert command.group(1) == f"{TEST_COMMAND} --durations=25"
     assert '\n"${PYTEST[@]}"\n' in ci  # stage 1: the whole suite, as it is
+
+
+def test_ci_writes_bytecode_before_its_first_python():
+    """.ci/run unsets PYTHONDONTWRITEBYTECODE (which this project's machines
+    set) before any stage runs Python: its environments are installed
+    without bytecode, and every process would otherwise compile torch,
+    TensorFlow, JAX and Keras from source again."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    unset = ci.find("\nunset PYTHONDONTWRITEBYTECODE\n")
+    assert unset != -1, "no 'unset PYTHONDONTWRITEBYTECODE' line in .ci/run"
+    assert unset < ci.index("\nstage ")
+    assert "PYTHONDONTWRITEBYTECODE=" not in ci.replace("unset ", "")
