@@ -238,11 +238,10 @@ print("float16 recipe:", type(float16_recipe.inner_optimizer).__name__)
 #   to every step: on this CPU the step took 1.2 to 4.2 times float32
 #   Adam's in `benchmarks/eight_bit.py` (the most on torch, which runs
 #   each operation of the update on its own), and the update alone on
-#   JAX 0.12, on a CPU with AVX2 only, 1.9x (float8, 4 bits) and 4.2x
-#   (8 bits) float32 AdamW's (8 bits: 2.8x on one with AVX-512, whose
-#   gathers, the 8-bit code's look-up, cost less); about 1x on
-#   TensorFlow and torch (`benchmarks/low_bit_update.py`; 6x on JAX 0.10,
-#   whose XLA copies a bfloat16 array carried through a loop);
+#   JAX 0.12, on a CPU with AVX2 only, 1.6x (float8), 1.9x (4 bits) and
+#   2.1x (8 bits) float32 AdamW's; about 1x on TensorFlow and torch
+#   (`benchmarks/low_bit_update.py`; 5x on JAX 0.10, whose XLA copies a
+#   bfloat16 array carried through a loop);
 #   on a GPU the update is a smaller part of a step, but measure.
 # * When one variable is very large against the rest, know what the peak
 #   holds. Its update runs in float32, so kmp updates a large variable in

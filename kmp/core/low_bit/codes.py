@@ -182,7 +182,7 @@ def lookup_table(signed: bool) -> np.ndarray:
     return (candidates.astype(np.int64) * 2**16 + low_bits).astype(np.int32)
 
 
-def nearest_lookup(normalized, signed: bool):
+def nearest_lookup(normalized, signed: bool, look_up=None):
     """The 8-bit dynamic code (int32 in [0, 255]) nearest to each value in
     [-1, 1], looked up by the float's top bits: the key's candidate
     (`code_tables`), plus one where the value is past the key's split,
@@ -196,11 +196,15 @@ def nearest_lookup(normalized, signed: bool):
     midpoint between two codes (where the two differ by a float32
     rounding) the other one, as near. torch's form looks up the same
     candidates and splits (`kmp.core.torch.codes.nearest_dynamic`).
+
+    `look_up(table, keys)` reads the table (default `ops.take`): JAX's
+    backend gives its own form (`kmp.core.jax.low_precision`).
     """
     table = ops.convert_to_tensor(lookup_table(signed))
     magnitude = ops.minimum(ops.abs(normalized), 1.0)
     bits = ops.view(magnitude, "int32")
-    entry = ops.take(table, ops.right_shift(bits, DROPPED_BITS))
+    look_up = look_up or ops.take
+    entry = look_up(table, ops.right_shift(bits, DROPPED_BITS))
     low = ops.bitwise_and(bits, 2**DROPPED_BITS - 1)
     split = ops.bitwise_and(entry, 2**16 - 1)
     code = ops.right_shift(entry, 16) + ops.cast(low > split, "int32")

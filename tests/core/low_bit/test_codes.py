@@ -206,6 +206,32 @@ def test_the_8bit_look_up_finds_the_nearest_code(signed):
     assert codes.CODES["8bit"].find is codes.nearest_lookup
 
 
+@pytest.mark.jax
+@pytest.mark.parametrize("signed", [True, False])
+def test_jaxs_look_up_writes_the_shared_look_ups_bytes(signed):
+    # JAX's form reads the table in a loop of its own (16-bit keys, a
+    # clamping gather): the same bytes, jitted as the update runs it, for
+    # the midpoints, their neighbours, values past 1 and infinities.
+    import jax
+
+    from kmp.core.jax import low_precision as jax_low_precision
+
+    value = np.concatenate(
+        [_midpoint_sweep(signed), [1.5, 3e38, np.inf, 0.0, 1.0]]
+    ).astype(np.float32)
+    if signed:
+        value = np.concatenate([value, [-1.5, -np.inf, -1.0]])
+    code = codes.CODES["8bit"]
+    got = jax.jit(lambda v: jax_low_precision.nearest_code(v, signed, code))(
+        value
+    )
+    want = codes.nearest_lookup(ops.convert_to_tensor(value), signed)
+    assert got.dtype == np.uint8
+    np.testing.assert_array_equal(
+        np.asarray(got), ops.convert_to_numpy(want).astype(np.uint8)
+    )
+
+
 def test_the_look_up_table_holds_each_keys_candidate_and_split():
     # One int32 per key of [0, 1]: the candidate above 16 bits, the split's
     # bits below the key under them (2**15: none), as `code_tables` has
