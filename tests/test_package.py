@@ -55,6 +55,8 @@ def _same_objects_in_a_fresh_interpreter():
     return json.loads(result.stdout.splitlines()[-1])
 
 
+# With -n: the fresh interpreter starts once, on one worker.
+@pytest.mark.xdist_group("fresh_interpreter")
 @pytest.mark.parametrize("name", PUBLIC_NAMES)
 def test_mixed_precision_reexports_the_same_object(name):
     assert _same_objects_in_a_fresh_interpreter()[name] is True

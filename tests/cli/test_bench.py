@@ -7,6 +7,7 @@ by the tests that read its table, summary, JSON and plot.
 """
 
 import contextlib
+import functools
 import importlib.util
 import io
 import json
@@ -579,25 +580,33 @@ def test_without_backend_kmp_bench_picks_an_installed_one(tmp_path):
     assert _choice(dict(environment, KERAS_BACKEND=this)) == this
 
 
-def test_backend_is_used_before_keras_is_imported():
-    # KERAS_BACKEND names another backend, but Keras is not imported yet:
-    # --backend sets it, in this same process.
+@functools.lru_cache(maxsize=None)
+def _fresh_custom_loop_run():
+    """A tiny loss-scaled custom-loop run of `kmp bench` in a fresh process,
+    `--backend` naming this backend and `KERAS_BACKEND` another, Keras
+    imported only after it (once for the module: both tests below read it)."""
     this = keras.backend.backend()
     other = "torch" if this != "torch" else "jax"
     code = (
         "import sys, kmp_cli\n"
         f"code = kmp_cli.main(['bench', '--backend', {this!r}, "
-        "'--policies', 'float32', '--loops', 'custom', '--no-native', "
+        "'--policies', 'mixed_float16', '--loops', 'custom', '--no-native', "
         "'--no-torch-amp', '--steps', '100', '--warmup', '1', "
         "'--units', '4', '--batch-size', '8', '--quiet'])\n"
         "import keras\n"
         "print('ran on', keras.backend.backend())\n"
         "sys.exit(code)\n"
     )
-    completed = _fresh_python(code, dict(os.environ, KERAS_BACKEND=other))
+    return _fresh_python(code, dict(os.environ, KERAS_BACKEND=other))
+
+
+def test_backend_is_used_before_keras_is_imported():
+    # KERAS_BACKEND names another backend, but Keras is not imported yet:
+    # --backend sets it, in this same process.
+    completed = _fresh_custom_loop_run()
     assert completed.returncode == 0, completed.stderr[-3000:]
-    assert "| float32 | custom |" in completed.stdout
-    assert f"ran on {this}" in completed.stdout
+    assert "| mixed_float16 | custom |" in completed.stdout
+    assert f"ran on {keras.backend.backend()}" in completed.stdout
 
 
 @pytest.mark.tensorflow
@@ -608,15 +617,7 @@ def test_no_autograph_warning_in_a_fresh_process():
     # logging left on (TF_CPP_MIN_LOG_LEVEL hides only its C++ logs). The
     # custom loop only: fit's train function is Keras's, which AutoGraph
     # leaves as it is, and with it what it calls.
-    code = (
-        "import sys, kmp_cli\n"
-        "sys.exit(kmp_cli.main(['bench', '--backend', 'tensorflow', "
-        "'--policies', 'mixed_float16', '--loops', 'custom', '--no-native', "
-        "'--no-torch-amp', "
-        "'--steps', '100', '--warmup', '1', '--units', '4', "
-        "'--batch-size', '8', '--quiet']))\n"
-    )
-    completed = _fresh_python(code, os.environ)
+    completed = _fresh_custom_loop_run()
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, output[-3000:]
     assert "| mixed_float16 | custom |" in completed.stdout

@@ -25,7 +25,9 @@ from tests.support import backends
 from tests.support import reliability as rel
 
 # Reaches into Keras or TensorFlow: CI runs it on the oldest pair too.
-pytestmark = pytest.mark.oldest_pair
+# With -n: the compiled steps (`_compiled_steps`) are traced once, on one
+# worker.
+pytestmark = [pytest.mark.oldest_pair, pytest.mark.xdist_group("faults")]
 
 if backends.TENSORFLOW:
     import tensorflow as tf

@@ -21,7 +21,9 @@ from tests.support import backends
 from tests.support import reliability as rel
 
 # Reaches into Keras or TensorFlow: CI runs it on the oldest pair too.
-pytestmark = pytest.mark.oldest_pair
+# With -n: the uninterrupted reference runs (`_reference_states`) are
+# trained once, on one worker.
+pytestmark = [pytest.mark.oldest_pair, pytest.mark.xdist_group("resume")]
 
 EPOCHS = 4
 _reference_states = {}

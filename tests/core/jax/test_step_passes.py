@@ -27,7 +27,8 @@ import kmp
 from kmp.core.loss_scale import rule as loss_scale
 from tests.support import step_counting as step_counting_loader
 
-pytestmark = pytest.mark.jax
+# With -n: the module's compiled steps are built once, on one worker.
+pytestmark = [pytest.mark.jax, pytest.mark.xdist_group("jax_step_passes")]
 
 VARIABLES = 40  # 20 Dense layers: kernels of 3 shapes, biases of 2.
 

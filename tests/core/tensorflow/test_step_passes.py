@@ -22,7 +22,9 @@ import kmp
 from kmp.core.loss_scale import rule as loss_scale
 from tests.support import step_counting as step_counting_loader
 
-pytestmark = pytest.mark.tensorflow
+# With -n: the module's fixture (four 40-variable steps compiled by XLA,
+# 35 s) is built once, on one worker.
+pytestmark = [pytest.mark.tensorflow, pytest.mark.xdist_group("tf_step_passes")]
 
 VARIABLES = 40  # 20 Dense layers: kernels of 3 shapes, biases of 2.
 
