@@ -9,6 +9,9 @@ like), and separately its `conditional` and `while` instructions, whose
 branches and bodies are other computations, and the kernels inside them
 (the largest branch of each conditional).
 
+`computation_opcodes(text)` gives the opcodes of each computation, a
+fusion's kernel among them.
+
 `hlo_copies(text)` counts its buffer copies: the `copy` instructions (and
 `copy-start`, the first half of an asynchronous copy; its `copy-done` is
 not counted again) of the ENTRY computation and of the computations its
@@ -79,6 +82,16 @@ def _called_names(line):
         for group in groups:
             names += [c.strip().lstrip("%") for c in group.split(",")]
     return [name for name in names if name]
+
+
+def computation_opcodes(text: str) -> dict:
+    """`{computation name: set of its instructions' opcodes}` of an HLO
+    module: what each fused computation (a fusion's kernel) computes."""
+    computations, _ = _computations(text)
+    return {
+        name: {hlo_opcode(line) for line in lines} - {None}
+        for name, lines in computations.items()
+    }
 
 
 def hlo_opcode(line):

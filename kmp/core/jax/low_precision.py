@@ -30,7 +30,7 @@ def nearest_code(normalized, signed, code):
     codes, which XLA's CPU backend runs on one thread, they took half the
     8-bit update's time. The 8-bit code's look-up reads its table in a
     loop of its own too (`_look_up`)."""
-    if code.name == "8bit":
+    if code.find is codes.nearest_lookup:
         found = codes.nearest_lookup(normalized, signed, _look_up)
     else:
         found = shared.nearest_code(normalized, signed, code)
@@ -44,8 +44,10 @@ def _look_up(table, keys):
     clamping as XLA's gather does rather than `jnp.take`'s default test of
     each key. Fused with the arithmetic around it, the gather kept that
     loop from being vectorized: the 8-bit update of a 42M-parameter MLP
-    took 4.1-4.5x float32 AdamW's on a 2-core AMD EPYC, 2.3-2.6x this way
-    (`benchmarks/low_bit_update.py`). The same codes, bit for bit
+    took 4.2-4.5x float32 AdamW's on a 2-core AMD EPYC with JAX 0.12,
+    2.0-2.4x this way (`benchmarks/low_bit_update.py`); XLA before JAX 0.12
+    fuses the gather across the barriers all the same
+    (`tests/core/jax/test_low_precision.py`). The same codes, bit for bit
     (`tests/core/low_bit/test_codes.py`)."""
     keys = jax.lax.optimization_barrier(keys.astype("uint16"))
     return jax.lax.optimization_barrier(jnp.take(table, keys, mode="clip"))
