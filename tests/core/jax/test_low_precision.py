@@ -8,15 +8,18 @@ the jitted `nearest_code` is read, nothing run: the kernel that gathers
 does nothing else. (Its bytes: `tests/core/low_bit/test_codes.py`.)
 """
 
-import jax
 import numpy as np
 import pytest
 
-from kmp.core.jax import low_precision as jax_low_precision
-from kmp.core.low_bit import codes
-from tests.support import step_counting as step_counting_loader
+from tests.support import backends
 
-pytestmark = pytest.mark.jax
+backends.require("jax")
+
+import jax  # noqa: E402
+
+from kmp.core.jax import low_precision as jax_low_precision  # noqa: E402
+from kmp.core.low_bit import codes  # noqa: E402
+from tests.support import step_counting as step_counting_loader  # noqa: E402
 
 _RELEASE = tuple(int(p) for p in jax.__version__.split(".")[:2])
 
