@@ -1,13 +1,13 @@
 """Every script under `benchmarks/` runs end to end in a tiny mode.
 
-Each entry of `SMOKE` runs `python benchmarks/<script> <args>` in a
-subprocess (cwd a temporary directory) and checks its exit code and a text
-it must print; a script's name is its path under `benchmarks/`
-(`diagnostics/op_profile.py`). Numbers from these runs mean nothing; the
-point is that a script whose imports or options rot fails here. A new
-script fails `test_table_covers_every_script` until it has its entry, and
-a new diagnostic until `benchmarks/diagnostics/README.md` lists it. (The
-GPU runner, `benchmarks/gpu/`, has its own tiny runs in
+Each entry of `SMOKE` runs `python benchmarks/<script> <args>` as a fresh
+interpreter would (`tests.support.warm`; cwd a temporary directory) and
+checks its exit code and a text it must print; a script's name is its path
+under `benchmarks/` (`diagnostics/op_profile.py`). Numbers from these runs
+mean nothing; the point is that a script whose imports or options rot fails
+here. A new script fails `test_table_covers_every_script` until it has its
+entry, and a new diagnostic until `benchmarks/diagnostics/README.md` lists
+it. (The GPU runner, `benchmarks/gpu/`, has its own tiny runs in
 `test_gpu_runner.py`.)
 """
 
@@ -16,11 +16,12 @@ import functools
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import keras
 import pytest
+
+from tests.support import warm
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
@@ -171,14 +172,7 @@ def _run(args, cwd, extra_env=None):
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # no __pycache__ in benchmarks/
     env["PYTHONPATH"] = str(ROOT)
     env.update(extra_env or {})
-    return subprocess.run(
-        [sys.executable, *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return warm.run(args, env=env, cwd=cwd, timeout=300)
 
 
 def _scripts():

@@ -8,8 +8,6 @@ loop (`examples/<backend>_custom_loop.py`) trains without skipping.
 import os
 import pathlib
 import re
-import subprocess
-import sys
 
 from tests.support import backends
 
@@ -22,6 +20,7 @@ import pytest  # noqa: E402
 import kmp  # noqa: E402
 from tests.support import reliability as rel  # noqa: E402
 from tests.support import training  # noqa: E402
+from tests.support import warm  # noqa: E402
 from tests.support.training import BATCH_SIZE  # noqa: E402
 
 EXAMPLES = pathlib.Path(__file__).parents[2] / "examples"
@@ -109,13 +108,7 @@ def test_the_example_loop_trains_without_skipping():
     name = keras.backend.backend()
     script = EXAMPLES / f"{name}_custom_loop.py"
     env = dict(os.environ, KMP_EXAMPLE_SMALL="1", KERAS_BACKEND=name)
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = warm.run([str(script)], env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
     assert "compute dtype: float16" in out

@@ -1,7 +1,8 @@
 """guides/bfloat16_weights.py and benchmarks/bf16_all_the_way.py run and
 show what they say.
 
-Both start together when this module starts, each in a fresh interpreter:
+Both start together when this module starts, each as a fresh interpreter
+would (`tests.support.warm`):
 the guide (TensorFlow) with `KMP_GUIDE_SMALL=1`, the benchmark with
 `--quick` on two configurations, on the backend the tests run on. The tests
 check the facts the guide's prose states against what it printed, and that
@@ -13,13 +14,13 @@ import json
 import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import keras
 import pytest
 
 from tests.support import backends
+from tests.support import warm
 
 # With -n: the scripts a module starts run once, on one worker.
 pytestmark = pytest.mark.xdist_group("low_precision_scripts")
@@ -65,29 +66,21 @@ def _start_scripts(tmp_path_factory):
     scripts = [GUIDE, benchmark] if backends.TENSORFLOW else [benchmark]
     scripts.append(EIGHT_BIT_GUIDE)
     for command in scripts:
-        _running[command[0]] = subprocess.Popen(
-            [sys.executable, *command],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=environment,
-            cwd=ROOT,
-        )
+        _running[command[0]] = warm.start(command, env=environment, cwd=ROOT)
     yield
     for process in _running.values():
         process.kill()
-        process.communicate()
 
 
 def _output(command):
     """The script's stdout, once it has finished; fails unless it exited 0."""
     name = command[0]
     if name not in _outputs:
-        stdout, stderr = _running[name].communicate(timeout=300)
-        assert _running[name].returncode == 0, (
-            f"{name} failed:\n{stdout[-2000:]}\n{stderr[-3000:]}"
+        done = _running[name].wait(timeout=300)
+        assert done.returncode == 0, (
+            f"{name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
         )
-        _outputs[name] = stdout
+        _outputs[name] = done.stdout
     return _outputs[name]
 
 
@@ -228,13 +221,8 @@ def test_benchmark_memory_child_without_allocator_statistics(tmp_path):
         "sys.exit(benchmark.main(['--child', 'bf16+kahan', '--quick', "
         "'--memory-steps', '1']))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=_environment(tmp_path),
-        cwd=ROOT,
-        timeout=300,
+    done = warm.run(
+        ["-c", code], env=_environment(tmp_path), cwd=ROOT, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,17 +1,19 @@
 """Runs guides and examples in fresh interpreters, two at a time.
 
 A script that configures devices or imports kmp halfway cannot run inside the
-test process, so each runs as `python <script>` with its small-size variable
-set. The scripts a test module needs are all started when the module starts,
-two at a time in the background, and each one's output is kept for every test
-that checks it.
+test process, so each runs as `python <script>` would (`tests.support.warm`:
+forked from an interpreter that has imported Keras) with its small-size
+variable set. The scripts a test module needs are all started when the
+module starts, two at a time in the background, and each one's output is
+kept for every test that checks it.
 """
 
 import concurrent.futures
 import os
 import pathlib
 import subprocess
-import sys
+
+from tests.support import warm
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT_SECONDS = 300
@@ -27,13 +29,11 @@ def _run(path: str, small_variable: str) -> subprocess.CompletedProcess:
         TF_CPP_MIN_LOG_LEVEL="3",
     )
     environment[small_variable] = "1"
-    return subprocess.run(
-        [sys.executable, str(ROOT / path)],
-        capture_output=True,
-        text=True,
+    return warm.run(
+        [str(ROOT / path)],
         env=environment,
-        timeout=TIMEOUT_SECONDS,
         cwd=ROOT,
+        timeout=TIMEOUT_SECONDS,
     )
 
 

@@ -4,11 +4,11 @@ on the backend the tests run on."""
 import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import keras
 import pytest
+
+from tests.support import warm
 
 # With -n: one worker runs this module: its shared fixture is built once.
 pytestmark = pytest.mark.xdist_group("kmp_guide")
@@ -25,13 +25,7 @@ def guide_output(tmp_path_factory):
         TF_CPP_MIN_LOG_LEVEL="3",
         TMPDIR=str(tmp_path_factory.mktemp("guide")),
     )
-    result = subprocess.run(
-        [sys.executable, str(GUIDE)],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=300,
-    )
+    result = warm.run([str(GUIDE)], env=environment, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
