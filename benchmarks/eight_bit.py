@@ -71,6 +71,7 @@ replace those of the same model and configuration in the file).
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import resource
@@ -670,7 +671,10 @@ def _versions(backend):
 
 
 def _mean(values):
-    return sum(values) / len(values)
+    # math.fsum: correctly rounded, so the same on every Python (3.12's
+    # sum() of floats compensates, 3.11's does not: the last digit of the
+    # page's numbers differed).
+    return math.fsum(values) / len(values)
 
 
 def _rows(records, model, configuration):
