@@ -239,9 +239,9 @@ print("float16 recipe:", type(float16_recipe.inner_optimizer).__name__)
 #   Adam's in `benchmarks/eight_bit.py` (the most on torch, which runs
 #   each operation of the update on its own), and the update alone on
 #   JAX 0.12, on a CPU with AVX2 only, 1.6x (float8), 1.9x (4 bits) and
-#   2.1x (8 bits) float32 AdamW's; about 1x on TensorFlow and torch
-#   (`benchmarks/low_bit_update.py`; 5x on JAX 0.10, whose XLA copies a
-#   bfloat16 array carried through a loop);
+#   2.1x (8 bits) float32 AdamW's; 0.3x to 0.5x on TensorFlow there,
+#   about 1x on torch (`benchmarks/low_bit_update.py`; 5x on JAX 0.10,
+#   whose XLA copies a bfloat16 array carried through a loop);
 #   on a GPU the update is a smaller part of a step, but measure.
 # * When one variable is very large against the rest, know what the peak
 #   holds. Its update runs in float32, so kmp updates a large variable in
@@ -251,14 +251,12 @@ print("float16 recipe:", type(float16_recipe.inner_optimizer).__name__)
 #   floor (the same bfloat16 weights under SGD, which keeps no state): on
 #   the benchmark's 42M MLP with 8-bit state and stochastic rounding the
 #   step holds 1.9x its state beyond the floor on JAX, 2.1x on torch and
-#   5.1x on TensorFlow (whose XLA copies each bfloat16 array it reads
-#   as bits, and whose process holds memory beside TensorFlow's
-#   allocator),
-#   and peaks below Keras's bfloat16 AdamW on JAX and torch (0.91x,
-#   0.63x), above it on TensorFlow (1.40x). With Kahan summation, the
-#   default, the state holds a bfloat16 compensation per weight too, as
-#   large as the weights: choose `rounding="stochastic"` where the last
-#   bytes count. What the bytes table saves between steps, the peak saves
+#   4.2x on TensorFlow (whose process holds memory beside TensorFlow's
+#   allocator), and peaks below Keras's bfloat16 AdamW on JAX and torch
+#   (0.91x, 0.63x), above it on TensorFlow (1.13x). With Kahan summation,
+#   the default, the state holds a bfloat16 compensation per weight too,
+#   as large as the weights: choose `rounding="stochastic"` where the
+#   last bytes count. What the bytes table saves between steps, the peak saves
 #   only in part: the gradients, activations and the framework's own
 #   buffers stay.
 # * For small models: their state is not what fills the memory, and most

@@ -23,14 +23,21 @@ their dtype at each assignment, as a whole update rounds them.
 How the parts run is the backend's (its module's `update_in_parts`):
 
 * torch: one after another, each written in place into the variables;
-* JAX and TensorFlow: a loop (`ops.fori_loop`: `lax.fori_loop`,
+* TensorFlow, where each part is whole rows of a 2-D variable and of
+  everything it writes (a `Dense` kernel, an `Embedding` table) and the
+  step is not compiled whole by XLA: each part compiled on its own, its
+  results written into the variables' rows in place, in a `tf.while_loop`
+  (`kmp.core.tensorflow.parts_in_place`);
+* JAX, and TensorFlow otherwise: a loop (`ops.fori_loop`: `lax.fori_loop`,
   `tf.while_loop` inside the variable's XLA-compiled update) over the
   whole parts, whose carry is the flat arrays the parts write
   (`ops.slice_update`, in place: XLA reuses a loop's buffers), then the
   last, shorter part; the arrays are assigned once at the end. (Parts
   unrolled in Python did not bound the temporaries on JAX: XLA recomputed
   a part's dequantized codes inside fusions that ran after the next
-  part's write, and copied the codes for them.)
+  part's write, and copied the codes for them.) On TensorFlow the loop's
+  results, the whole arrays, are outputs of the compiled update, alive
+  beside the old values until assigned.
 
 The same arithmetic as updating it whole (the updates of Adam, AdamW, Lion
 and SGD are elementwise, quantization block-wise): on torch bit for bit,
@@ -229,7 +236,12 @@ class Part:
 
     def of(self, target):
         """This part of `target` (a variable shaped like the weights)."""
-        return ops.slice(self.read(target), (self.start,), (self.length,))
+        return self.slice(self.read(target), self.start, self.length)
+
+    @staticmethod
+    def slice(flat, offset, count):
+        """`flat[offset:offset + count]` (`offset` may be traced)."""
+        return ops.slice(flat, (offset,), (count,))
 
     def slot_value(self, slot):
         """This part of a quantized slot, float32 (`start` on a block's
@@ -241,7 +253,7 @@ class Part:
         ):
             own = self.staged(target) if self.staged else None
             if own is None:
-                own = ops.slice(self.read(target), (offset,), (count,))
+                own = self.slice(self.read(target), offset, count)
             found.append(own)
         return slot.decoded(*found, (self.length,))
 

@@ -20,6 +20,7 @@ from kmp.core.low_bit import codes
 from kmp.core.low_bit import parts
 from kmp.core.low_bit import rounding
 from kmp.core.low_bit import shared_step as shared
+from kmp.core.tensorflow import parts_in_place
 from kmp.core.tensorflow import rounding as tf_rounding
 from kmp.core.tensorflow import step as tf_step
 
@@ -68,7 +69,20 @@ def update_variable(optimizer, gradient, learning_rate, variable, index):
         optimizer._update_one(gradient, learning_rate, variable, index)
         return
     dtype = None
-    if parts.bounds(optimizer, index, update_in_parts) is not None:
+    bounds = parts.bounds(optimizer, index, update_in_parts)
+    if bounds is not None:
+        if not tf_step.in_xla_context() and parts_in_place.in_place_layout(
+            optimizer, variable, index, bounds
+        ):
+            parts_in_place.update_in_place(
+                optimizer,
+                gradient,
+                tf.cast(tf.convert_to_tensor(learning_rate), tf.float32),
+                variable,
+                index,
+                bounds,
+            )
+            return
         gradient = dense_gradient(gradient, variable)
         if rounding.is_low(gradient.dtype):
             # Its bits, viewed here (free); inside XLA the view of a
