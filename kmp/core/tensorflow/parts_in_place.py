@@ -200,7 +200,8 @@ def _part(
     def read(target):
         n = keys[id(target)]
         if n in written:  # Its old value is gone once the part is written.
-            raise RuntimeError(f"{target.path} read after this part wrote it")
+            name = getattr(target, "path", None) or target.name
+            raise RuntimeError(f"{name} read after this part wrote it")
         if n not in values:
             values[n] = tf.reshape(tf.convert_to_tensor(target), [-1])
         return values[n]
