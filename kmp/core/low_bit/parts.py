@@ -201,6 +201,20 @@ def is_sharded(variable) -> bool:
     return any(axis is not None for axis in axes)
 
 
+def targets(optimizer, variable, index):
+    """What a part of variable `index`'s update may write, in order: the
+    variable, its compensation, each quantized slot's codes and scales,
+    its plain slots."""
+    found = [variable]
+    compensation = optimizer._compensations[index]
+    if compensation is not None:
+        found.append(compensation)
+    for _, slot in optimizer._located.get(index, ()):
+        found += [slot.codes, slot.scales]
+    found += [slot for _, slot in optimizer._plain_slots.get(index, ())]
+    return found
+
+
 def slot_extent(slot, start, length):
     """`[(offset, count), (offset, count)]`: where the part of `length`
     elements from `start` (a block's edge; may be traced) lies in the flat
@@ -287,6 +301,7 @@ __all__ = [
     "part_elements",
     "plain_views",
     "slot_extent",
+    "targets",
     "write_back",
     "write_plain",
 ]

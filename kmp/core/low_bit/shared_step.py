@@ -98,15 +98,14 @@ def update_in_parts(
     (`tests/core/jax/test_parts_copies.py`).
     """
     model_variable = optimizer._trainable_variables[index]
-    targets = [variable]
-    compensation = optimizer._compensations[index]
-    if compensation is not None:
-        targets.append(compensation)
-    extents = {}  # Target number: (slot, 0 for its codes or 1 its scales).
+    targets = parts.targets(optimizer, variable, index)
+    owners = {}
     for _, slot in optimizer._located.get(index, ()):
-        extents[len(targets)], extents[len(targets) + 1] = (slot, 0), (slot, 1)
-        targets += [slot.codes, slot.scales]
-    targets += [slot for _, slot in optimizer._plain_slots.get(index, ())]
+        owners[id(slot.codes)], owners[id(slot.scales)] = (slot, 0), (slot, 1)
+    # Target number: (slot, 0 for its codes or 1 its scales).
+    extents = {
+        n: owners[id(t)] for n, t in enumerate(targets) if id(t) in owners
+    }
     keys = {id(t): n for n, t in enumerate(targets)}
     keys[id(model_variable)] = 0  # On TensorFlow `variable` may differ.
 

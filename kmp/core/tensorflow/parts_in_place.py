@@ -44,20 +44,6 @@ from kmp.core.low_bit import rounding
 tf = backend.tensorflow()
 
 
-def targets_of(optimizer, variable, index):
-    """What a part of variable `index` may write, in order: the variable,
-    its compensation, each quantized slot's codes and scales, its plain
-    slots."""
-    targets = [variable]
-    compensation = optimizer._compensations[index]
-    if compensation is not None:
-        targets.append(compensation)
-    for _, slot in optimizer._located.get(index, ()):
-        targets += [slot.codes, slot.scales]
-    targets += [slot for _, slot in optimizer._plain_slots.get(index, ())]
-    return targets
-
-
 def in_place_layout(optimizer, variable, index, bounds):
     """`[rows of a part, ...]` per target where every part of `bounds` is
     whole rows of each target, with the same rows in each; else None."""
@@ -69,7 +55,7 @@ def in_place_layout(optimizer, variable, index, bounds):
     if any((stop - start) % columns for start, stop in bounds):
         return None
     counts = []
-    for target in targets_of(optimizer, variable, index):
+    for target in parts.targets(optimizer, variable, index):
         target_shape = tuple(target.shape)
         if len(target_shape) != 2 or target_shape[0] != rows:
             return None
@@ -97,7 +83,7 @@ def update_in_place(
     whole table's gradient is never made. A 16-bit part goes into XLA as
     its bits (inside XLA, viewing a 16-bit float array's bits is a copy).
     """
-    targets = targets_of(optimizer, variable, index)
+    targets = parts.targets(optimizer, variable, index)
     columns = int(variable.shape[1])
     sparse = isinstance(gradient, tf.IndexedSlices)
     if not sparse:
@@ -191,7 +177,7 @@ def _part(
     read of the update follows a write of the same target (the writes land
     after the part, in place).
     """
-    targets = targets_of(optimizer, variable, index)
+    targets = parts.targets(optimizer, variable, index)
     keys = {id(t): n for n, t in enumerate(targets)}
     keys[id(optimizer._trainable_variables[index])] = 0
     values = {}
@@ -217,4 +203,4 @@ def _part(
     return {n: written[n] for n in sorted(written)}
 
 
-__all__ = ["in_place_layout", "targets_of", "update_in_place"]
+__all__ = ["in_place_layout", "update_in_place"]
